@@ -1,0 +1,5 @@
+import sys
+
+from ultrascale.cli import main
+
+sys.exit(main())

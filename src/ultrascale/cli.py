@@ -1,0 +1,161 @@
+"""The `ultrascale` command. Thin: it parses, validates, and calls the library.
+
+A configuration mistake is one line on stderr and exit status 2, before any
+process starts or any file is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ultrascale.config import ConfigError, build_config, load_toml, validate
+
+# (flag, section, field, type, help). `bool` flags are switches; the TOML file uses the field names.
+TRAIN_FLAGS = [
+    ("--model", "model", "preset", str, "model preset: tiny, small, smollm-135m, llama3-8b, 1b, 8b, ..."),
+    ("--vocab-size", "model", "vocab_size", int, "override the preset's vocabulary size"),
+    ("--hidden", "model", "hidden", int, "override the hidden size"),
+    ("--layers", "model", "layers", int, "override the number of layers"),
+    ("--heads", "model", "heads", int, "override the number of query heads"),
+    ("--kv-heads", "model", "kv_heads", int, "override the number of key/value heads (GQA)"),
+    ("--ffn-hidden", "model", "ffn_hidden", int, "override the MLP hidden size"),
+    ("--max-seq-len", "model", "max_seq_len", int, "override the longest sequence (RoPE table)"),
+    ("--tie-embeddings", "model", "tie_embeddings", bool, "share the embedding and output matrices"),
+    ("--dp", "parallel", "dp", int, "data-parallel size (default: what the other sizes leave)"),
+    ("--tp", "parallel", "tp", int, "tensor-parallel size"),
+    ("--pp", "parallel", "pp", int, "pipeline-parallel size"),
+    ("--cp", "parallel", "cp", int, "context-parallel size"),
+    ("--ep", "parallel", "ep", int, "expert-parallel size"),
+    ("--zero", "parallel", "zero", int, "ZeRO stage 0-3"),
+    ("--steps", "train", "steps", int, "optimizer steps in all (a resumed run counts the saved ones)"),
+    ("--seq-len", "train", "seq_len", int, "tokens per sequence"),
+    ("--micro-batch", "train", "micro_batch", int, "sequences per micro-batch per data-parallel rank"),
+    ("--grad-accum", "train", "grad_accum", int, "micro-batches per optimizer step"),
+    ("--lr", "train", "lr", float, "peak learning rate"),
+    ("--min-lr-ratio", "train", "min_lr_ratio", float, "final learning rate as a fraction of the peak"),
+    ("--warmup-steps", "train", "warmup_steps", int, "linear warmup steps"),
+    ("--lr-decay-steps", "train", "lr_decay_steps", int, "length of the cosine schedule, warmup included"),
+    ("--weight-decay", "train", "weight_decay", float, "AdamW weight decay on matrices"),
+    ("--grad-clip", "train", "grad_clip", float, "clip the global gradient norm (0: off)"),
+    ("--dtype", "train", "dtype", str, "fp32, or bf16 (bf16 compute, fp32 master weights and gradients)"),
+    ("--recompute", "train", "recompute", str, "activation recomputation: none, selective or full"),
+    ("--seed", "train", "seed", int, "seed of the initial weights and of the data order"),
+    ("--data", "train", "data", str, "text file, directory, glob, .jsonl, or hf:NAME (default: Python's stdlib)"),
+    ("--data-column", "train", "data_column", str, "text field of JSONL lines or dataset rows"),
+    ("--data-split", "train", "data_split", str, "split of an hf: dataset"),
+    ("--tokenizer", "train", "tokenizer", str, "'bytes' or a local Hugging Face tokenizer directory"),
+    ("--save", "train", "save", str, "checkpoint directory, written at the end (and every --save-every)"),
+    ("--save-every", "train", "save_every", int, "also save every N steps"),
+    ("--resume", "train", "resume", str, "checkpoint directory to continue from"),
+    ("--log-jsonl", "train", "log_jsonl", str, "write one JSON object per step to this file"),
+    ("--log-every", "train", "log_every", int, "print a line every N steps"),
+    ("--device", "train", "device", str, "auto, cpu or cuda"),
+    ("--nproc", "train", "nproc", int, "spawn this many local processes (or use torchrun)"),
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # One line, the problem and where to look for the fix.
+        print(f"ultrascale: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _add_train(sub):
+    p = sub.add_parser("train", help="train a model on one or many processes")
+    p.add_argument("--config", help="TOML file with [model], [parallel], [train] sections; flags override it")
+    for flag, _, dest, typ, help_ in TRAIN_FLAGS:
+        if typ is bool:
+            p.add_argument(flag, dest=dest, action="store_const", const=True, default=None, help=help_)
+        else:
+            p.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
+    p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
+                   help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+
+def parse_train_config(args):
+    flags = {"model": {}, "parallel": {}, "train": {}}
+    for _, section, dest, _, _ in TRAIN_FLAGS:
+        value = getattr(args, dest)
+        if value is not None:
+            flags[section][dest] = value
+    if args.progress is not None:
+        flags["train"]["progress"] = args.progress
+    file_values = load_toml(args.config) if args.config else {}
+    return build_config(file_values, flags)
+
+
+def _precheck(cfg) -> None:
+    """Refuse, before any process starts, what the workers would refuse."""
+    from ultrascale.train import checkpoint
+    from ultrascale.train.data import _text_files
+
+    t = cfg.train
+    if t.data and not t.data.startswith("hf:"):
+        _text_files(t.data)
+    if t.resume:
+        meta = checkpoint.read_meta(t.resume)
+        checkpoint.check_compatible(t.resume, meta, cfg.to_dict(), cfg.parallel.dp * cfg.parallel.tp
+                                    * cfg.parallel.pp * cfg.parallel.cp)
+        if meta["step"] >= t.steps:
+            raise ConfigError(f"--resume {t.resume} is already at step {meta['step']} and --steps {t.steps} "
+                              f"counts all steps: pass a larger --steps")
+
+
+def cmd_train(args) -> int:
+    from ultrascale.distributed.launch import is_worker, launch_local
+
+    cfg = parse_train_config(args)
+    world = int(os.environ["WORLD_SIZE"]) if is_worker() else cfg.train.nproc
+    if is_worker() and cfg.train.nproc not in (1, world):
+        raise ConfigError(f"--nproc {cfg.train.nproc} disagrees with WORLD_SIZE={world} set by the launcher")
+    cfg = validate(cfg, world)
+    if not is_worker():
+        _precheck(cfg)
+        if cfg.train.nproc > 1:
+            return launch_local(sys.argv[1:], cfg.train.nproc)
+    return _train_here(cfg)
+
+
+def _train_here(cfg) -> int:
+    from ultrascale.distributed.context import init_parallel
+    from ultrascale.train.trainer import run_training
+
+    ctx = init_parallel(cfg.parallel, cfg.train.device)
+    try:
+        result = run_training(cfg, ctx, log_to_stdout=True)
+    finally:
+        ctx.destroy()
+    if ctx.is_logging_rank and result.metrics:
+        first, last = result.metrics[0], result.metrics[-1]
+        rate = sum(m["tokens"] for m in result.metrics) / sum(m["step_time_s"] for m in result.metrics)
+        print(f"done: {len(result.metrics)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
+              f"{rate:,.0f} tokens/s", flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ultrascale", description="The Ultra-Scale Playbook, as software that runs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_train(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        # In a multi-process run every rank finds the same mistake: say it once.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"ultrascale: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Run configuration: model shape, parallel layout, training recipe.
+
+One dataclass per concern; a TOML file with the sections [model], [parallel] and
+[train] holds the same fields as the command-line flags, and flags given on the
+command line win over the file. `validate` turns every wrong combination into a
+ConfigError whose message names the problem and the fix: the CLI prints it on
+one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from ultrascale.model.config import ModelConfig, get_preset
+
+
+class ConfigError(ValueError):
+    """A configuration a run cannot start with; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of the named grid dp x pp x cp x tp (tp innermost), and the expert size.
+
+    dp = 0 means "whatever is left": world / (pp * cp * tp).
+    """
+
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+
+    def resolve(self, world_size: int) -> "ParallelConfig":
+        """Fill in dp from the world size and check the grid covers it exactly."""
+        for name in ("tp", "pp", "cp", "ep"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name} must be a positive integer, got {getattr(self, name)}")
+        if self.dp < 0:
+            raise ConfigError(f"--dp must be a positive integer, got {self.dp}")
+        inner = self.tp * self.pp * self.cp
+        dp = self.dp
+        if dp == 0:
+            if world_size % inner:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by tp*pp*cp = {inner}: change --nproc or the sizes"
+                )
+            dp = world_size // inner
+        if dp * inner != world_size:
+            raise ConfigError(
+                f"dp*pp*cp*tp = {dp}*{self.pp}*{self.cp}*{self.tp} = {dp * inner} but the world has "
+                f"{world_size} processes: make the product equal --nproc"
+            )
+        if dp % self.ep:
+            raise ConfigError(f"--ep {self.ep} must divide dp = {dp}: expert groups are carved out of data parallelism")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
+        return replace(self, dp=dp)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 20
+    seq_len: int = 64
+    micro_batch: int = 8
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5
+    # The cosine's length is its own setting, not --steps, so that stopping at step 10
+    # and resuming to 20 follows the same learning rates as one 20-step run.
+    lr_decay_steps: int = 1000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    dtype: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and gradients)
+    recompute: str = "none"  # none | selective | full
+    seed: int = 0
+    data: str = ""  # empty: the Python standard library's source files
+    data_column: str = "text"
+    data_split: str = "train"
+    tokenizer: str = "bytes"  # "bytes" or a local Hugging Face tokenizer directory
+    save: str = ""
+    save_every: int = 0
+    resume: str = ""
+    log_jsonl: str = ""
+    log_every: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    nproc: int = 1
+    progress: bool = True
+    measure_activations: bool = True
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=lambda: get_preset("tiny"))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: micro_batch x grad_accum x dp."""
+        return self.train.micro_batch * self.train.grad_accum * self.parallel.dp
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.to_dict(), "parallel": asdict(self.parallel), "train": asdict(self.train)}
+
+
+def validate(cfg: RunConfig, world_size: int) -> RunConfig:
+    """Check everything that can be checked before any process starts; return the
+    config with dp resolved."""
+    cfg.model.validate()
+    t = cfg.train
+    for name in ("steps", "seq_len", "micro_batch", "grad_accum", "nproc", "log_every"):
+        if getattr(t, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(t, name)}")
+    if t.save_every < 0:
+        raise ConfigError(f"--save-every must be 0 (off) or positive, got {t.save_every}")
+    if t.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"--seq-len {t.seq_len} exceeds the model's limit of {cfg.model.max_seq_len} positions: "
+            f"lower --seq-len or raise --max-seq-len"
+        )
+    if t.dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"--dtype must be fp32 or bf16, got {t.dtype!r}")
+    if t.recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"--recompute must be none, selective or full, got {t.recompute!r}")
+    if t.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {t.device!r}")
+    if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1 or t.warmup_steps < 0 or t.lr_decay_steps <= 0:
+        raise ConfigError("--lr must be positive, --min-lr-ratio within [0, 1], --warmup-steps >= 0, "
+                          "--lr-decay-steps > 0")
+    if t.grad_clip < 0:
+        raise ConfigError(f"--grad-clip must be >= 0 (0 turns clipping off), got {t.grad_clip}")
+    if t.resume and not os.path.isdir(t.resume):
+        raise ConfigError(f"--resume {t.resume}: no such checkpoint directory")
+    parallel = cfg.parallel.resolve(world_size)
+    check_implemented(parallel)
+    tp = parallel.tp
+    if cfg.model.heads % tp or cfg.model.kv_heads % tp:
+        raise ConfigError(
+            f"--tp {tp} must divide both the {cfg.model.heads} query heads and the {cfg.model.kv_heads} "
+            f"key/value heads: pick a tp that divides {cfg.model.kv_heads}"
+        )
+    if parallel.pp > cfg.model.layers:
+        raise ConfigError(f"--pp {parallel.pp} exceeds the model's {cfg.model.layers} layers: lower --pp or add --layers")
+    return replace(cfg, parallel=parallel)
+
+
+# Which parallel sizes the engine runs today. A technique lands by adding itself
+# here and in ultrascale.parallel; until then a size above 1 is refused, never ignored.
+IMPLEMENTED = {"dp": False, "tp": False, "pp": False, "cp": False, "ep": False, "zero": False}
+
+
+def check_implemented(p: ParallelConfig) -> None:
+    for name, done in IMPLEMENTED.items():
+        size = getattr(p, name)
+        if not done and size > (0 if name == "zero" else 1):
+            raise ConfigError(f"--{name} {size}: this parallelism is not implemented yet; run with --{name} "
+                              f"{0 if name == 'zero' else 1}")
+
+
+def load_toml(path: str) -> dict:
+    """Read a config file into {section: {field: value}}; unknown keys are errors."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    known = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
+    for section, values in data.items():
+        if section not in known or not isinstance(values, dict):
+            raise ConfigError(f"--config {path}: unknown section [{section}]; use [model], [parallel], [train]")
+        names = {f.name for f in fields(known[section])}
+        if section == "model":
+            names.add("preset")
+        for key in values:
+            if key not in names:
+                raise ConfigError(f"--config {path}: unknown key {key!r} in [{section}]")
+    return data
+
+
+def build_config(file_values: dict, flag_values: dict) -> RunConfig:
+    """Merge defaults < TOML file < command-line flags into a RunConfig.
+
+    flag_values maps section -> {field: value} holding only the flags the user gave.
+    """
+    merged = {s: {**file_values.get(s, {}), **flag_values.get(s, {})} for s in ("model", "parallel", "train")}
+    model_fields = dict(merged["model"])
+    preset = model_fields.pop("preset", "tiny")
+    model = get_preset(preset, **model_fields)
+    try:
+        parallel = ParallelConfig(**merged["parallel"])
+        train = TrainConfig(**merged["train"])
+    except TypeError as e:
+        raise ConfigError(f"bad configuration field: {e}") from None
+    return RunConfig(model=model, parallel=parallel, train=train)

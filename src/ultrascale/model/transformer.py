@@ -1,0 +1,201 @@
+"""A Llama-style decoder, written to know nothing of parallelism.
+
+Each technique transforms this module instead of being written into it:
+- pipeline parallelism deletes layers (the blocks live in a ModuleDict keyed by
+  their global index, so names and initial weights do not change) and sets
+  `embed`, `norm` or `head` to None on stages that do not own them;
+- tensor parallelism swaps the nn.Linear / nn.Embedding children for sharded ones
+  at the same attribute names;
+- recomputation wraps blocks, or the `core_attention` of each block;
+- context parallelism swaps `core_attention` for ring attention and passes the
+  global `positions` of its sequence shard.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ultrascale.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+    return RMSNorm(cfg.hidden, cfg.norm_eps)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
+    """cos and sin of the rotary angles, [max_seq_len, head_dim/2], in fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x [b, heads, s, d] by the angles of each position."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, None], sin[None, None]
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x)
+
+
+class CoreAttention(nn.Module):
+    """softmax(QK^T / sqrt(d)) V with a causal mask: the part of attention that
+    holds no weights, which selective recomputation recomputes and context
+    parallelism replaces with ring attention."""
+
+    def forward(self, q, k, v):
+        # q [b, heads, s, d]; k, v [b, kv_heads, s, d]. GQA: each kv head serves heads/kv_heads query heads.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.core_attention = CoreAttention()
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        # The head counts come from the projections' widths, so a tensor-parallel
+        # shard of the projections gives a shard of the heads with no change here.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        if self.swiglu:
+            self.gate_proj = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias)
+        self.up_proj = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=cfg.bias)
+        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=cfg.bias)
+
+    def forward(self, x):
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.norm = make_norm(cfg)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens, positions=None):
+        """tokens [b, s] (or hidden states [b, s, h] on a pipeline stage without the
+        embedding) -> logits [b, s, vocab] (or hidden states on a stage without the head).
+        positions: the global positions of the s tokens, 0..s-1 by default."""
+        x = self.embed(tokens) if self.embed is not None else tokens
+        s = x.shape[1]
+        if positions is None:
+            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for block in self.layers.values():
+            x = block(x, cos, sin)
+        if self.norm is None:
+            return x
+        x = self.norm(x)
+        if self.head is not None:
+            return self.head(x)
+        # Tied embeddings: the head is the embedding matrix read the other way.
+        return F.linear(x, self.embed.weight)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter and buffer deterministically from `seed`.
+
+        Each parameter draws from its own generator, seeded by (seed, its name),
+        on the CPU in fp32: the values do not depend on the device, the dtype,
+        the order of construction, or which parameters this rank holds. A
+        parameter that is a shard of a larger one carries `full_shape` and
+        `shard_of_full` (set by the parallel wrappers), and takes its slice of
+        the full tensor.
+        """
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        for name, p in self.named_parameters():
+            full = init_tensor(name, getattr(p, "full_shape", p.shape), self.cfg, seed)
+            shard = getattr(p, "shard_of_full", None)
+            p.copy_(shard(full) if shard is not None else full)
+
+
+def init_tensor(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The initial value of parameter `name` (its name in the single-device model)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "bias" or (leaf == "weight" and "norm" in name):
+        return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+    std = cfg.init_std
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        # Projections that write into the residual stream: scaled so the stream's
+        # variance does not grow with depth (GPT-2 / Megatron).
+        std = std / math.sqrt(2 * cfg.layers)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.empty(shape).normal_(0.0, std, generator=g)
+
+
+def build_model(cfg: ModelConfig, seed: int, device="cpu", transform=None) -> Transformer:
+    """Construct on the meta device (no memory), let `transform` reshape it (pipeline
+    split, tensor-parallel swaps), then allocate on `device` and initialise from `seed`."""
+    cfg.validate()
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if transform is not None:
+        model = transform(model) or model
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+def cross_entropy_loss(logits, targets):
+    """Mean token cross-entropy, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

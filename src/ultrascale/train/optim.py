@@ -1,0 +1,47 @@
+"""AdamW with the usual decay groups, and the warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ultrascale.config import TrainConfig
+
+
+def build_adamw(named_main: list[tuple[str, torch.Tensor]], cfg: TrainConfig) -> torch.optim.AdamW:
+    """Weight decay on matrices only; norms, biases (1-D tensors) are not decayed."""
+    decay = [p for n, p in named_main if p.ndim >= 2]
+    no_decay = [p for n, p in named_main if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to min_lr_ratio * lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.lr_decay_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, reduce_sq=None) -> float:
+    """Scale gradients so their global L2 norm is at most max_norm; return the norm before clipping.
+
+    reduce_sq sums the squared norm over the ranks that hold different pieces of
+    the gradients (tensor, pipeline and ZeRO shards): each technique provides it.
+    """
+    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        sq += g.float().pow(2).sum()
+    if reduce_sq is not None:
+        sq = reduce_sq(sq)
+    norm = sq.sqrt().item()
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(coef)
+    return norm

@@ -1,0 +1,231 @@
+"""The training loop: one optimizer step over a global batch, repeated.
+
+A step: zero the fp32 gradients; for each micro-batch run forward and backward
+with the loss divided by the number of micro-batches (so the sum is the mean over
+the global batch), communicating only after the last one; clip; let AdamW update
+the fp32 main parameters; copy them back to the compute parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ultrascale import parallel
+from ultrascale.config import RunConfig
+from ultrascale.distributed.context import ParallelContext
+from ultrascale.model import build_model, cross_entropy_loss, flops_per_token
+from ultrascale.train import checkpoint
+from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
+from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_tflops, storage_bytes
+from ultrascale.train.optim import build_adamw, clip_grad_norm_, lr_at
+from ultrascale.train.precision import MainParams
+from ultrascale.train.recompute import apply_recompute
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    metrics: list[dict] = field(default_factory=list)
+    state: dict | None = None  # the final fp32 parameters, by single-device name
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, ctx: ParallelContext, log_to_stdout: bool = False):
+        self.cfg, self.ctx, self.log_to_stdout = cfg, ctx, log_to_stdout
+        t = cfg.train
+        tokenizer = load_tokenizer(t.tokenizer)
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            from ultrascale.config import ConfigError
+
+            raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                              f"{cfg.model.vocab_size}: pass --vocab-size {tokenizer.vocab_size}")
+        self.data = TokenBatches(load_tokens(t.data, t.tokenizer, t.data_column, t.data_split),
+                                 t.seq_len, cfg.global_batch, t.seed)
+
+        self.model = build_model(cfg.model, t.seed, ctx.device, transform=parallel.shard_model(ctx, cfg))
+        apply_recompute(self.model, t.recompute)
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.main = MainParams(params, t.dtype)
+        self.grads = parallel.build_grads(params, ctx, cfg)
+        self.reduce_sq = parallel.grad_norm_reducer(ctx)
+        self.opt = build_adamw(list(zip(names, self.main.main)), t)
+        self.names = names
+        self.meter = ActivationMeter(list(self.model.parameters()) + list(self.model.buffers()))
+        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        self.peak = peak_tflops(ctx.device, t.dtype)
+        self.step = 0
+        if t.resume:
+            self._resume(t.resume)
+
+    # -- one step -----------------------------------------------------------
+    def forward_backward(self, micro_batches) -> float:
+        """Run every micro-batch; return the mean loss of this rank's micro-batches."""
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.ctx.device)
+        for j, (inputs, targets) in enumerate(micro_batches):
+            sync = contextlib.nullcontext() if j == n - 1 else self.grads.no_sync()
+            measure = self.meter.forward() if self.cfg.train.measure_activations else contextlib.nullcontext()
+            with sync:
+                with measure:
+                    loss = cross_entropy_loss(self.model(inputs), targets)
+                (loss / n).backward()
+            total += loss.detach()
+        return (total / n).item()
+
+    def train_step(self) -> dict:
+        cfg, ctx, t = self.cfg, self.ctx, self.cfg.train
+        start = time.perf_counter()
+        micro_batches = self.data.micro_batches(self.step, ctx.coords["dp"], cfg.parallel.dp, t.grad_accum, ctx.device)
+        self.grads.zero()
+        loss = self.forward_backward(micro_batches)
+        self.grads.finish()
+        grads = self.grads.grads()
+        grad_norm = clip_grad_norm_(grads, t.grad_clip, self.reduce_sq)
+        lr = lr_at(self.step, t)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.main.attach_grads(grads)
+        self.opt.step()
+        self.main.detach_grads()
+        self.main.copy_to_model()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        elapsed = time.perf_counter() - start
+        self.step += 1
+        loss = ctx.all_reduce_mean(loss)
+        tokens = cfg.global_batch * t.seq_len
+        tokens_per_s = tokens / elapsed
+        tflops = tokens_per_s * self.flops_per_token / ctx.world_size / 1e12  # per device
+        return {
+            "step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+            "tokens_per_s": tokens_per_s, "tflops": tflops,
+            "mfu": tflops / self.peak if self.peak else None,
+            "step_time_s": elapsed, "memory": self.memory(),
+        }
+
+    def memory(self) -> dict:
+        mem = {
+            "params": storage_bytes(self.model.parameters()),
+            "grads": storage_bytes(self.grads.grads()),
+            "optim": storage_bytes(optimizer_state_tensors(self.opt)) + self.main.master_bytes(),
+            "activations": self.meter.take_peak() if self.cfg.train.measure_activations else None,
+        }
+        if self.ctx.device.type == "cuda":
+            mem["allocator_peak"] = torch.cuda.max_memory_allocated(self.ctx.device)
+        return mem
+
+    # -- the run ------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        t, ctx = self.cfg.train, self.ctx
+        result = TrainResult()
+        log = _Log(t, ctx.is_logging_rank, self.step, self.log_to_stdout)
+        try:
+            while self.step < t.steps:
+                m = self.train_step()
+                result.losses.append(m["loss"])
+                result.metrics.append(m)
+                log.write(m)
+                if t.save and t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
+                    self.save(t.save)
+        finally:
+            log.close()
+        if t.save:
+            self.save(t.save)
+        result.state = self.full_state_dict()
+        return result
+
+    def full_state_dict(self) -> dict:
+        """The fp32 parameters under their single-device names, on the CPU."""
+        return {n: m.detach().float().cpu().clone() for n, m in zip(self.names, self.main.main)}
+
+    # -- checkpoints --------------------------------------------------------
+    def save(self, path: str) -> None:
+        state = {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "main": [m.detach() for m in self.main.main] if self.main.mixed else None,
+            "optimizer": self.opt.state_dict(),
+        }
+        checkpoint.save(path, self.ctx, self.step, self.cfg.to_dict(), state)
+
+    def _resume(self, path: str) -> None:
+        from ultrascale.config import ConfigError
+
+        meta = checkpoint.read_meta(path)
+        checkpoint.check_compatible(path, meta, self.cfg.to_dict(), self.ctx.world_size)
+        if meta["step"] >= self.cfg.train.steps:
+            raise ConfigError(f"--resume {path} is already at step {meta['step']} and --steps "
+                              f"{self.cfg.train.steps} counts all steps: pass a larger --steps")
+        state = checkpoint.load(path, self.ctx.rank)
+        self.model.load_state_dict(state["model"])
+        if state["main"] is not None:
+            with torch.no_grad():
+                for m, saved in zip(self.main.main, state["main"]):
+                    m.copy_(saved)
+        self.opt.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+
+
+class _Log:
+    """Per-step output of the logging rank: a line (or a progress bar) and the JSONL file."""
+
+    def __init__(self, t, active: bool, first_step: int, to_stdout: bool):
+        self.active, self.every, self.jsonl = active, t.log_every, None
+        self.to_stdout = to_stdout and active
+        self.bar = None
+        if not active:
+            return
+        if t.log_jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(t.log_jsonl)), exist_ok=True)
+            self.jsonl = open(t.log_jsonl, "a" if t.resume else "w")
+        if self.to_stdout and t.progress and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=t.steps, initial=first_step, unit="step", dynamic_ncols=True, leave=False)
+
+    def write(self, m: dict) -> None:
+        if not self.active:
+            return
+        if self.jsonl:
+            self.jsonl.write(json.dumps(m) + "\n")
+            self.jsonl.flush()
+        if self.to_stdout and (m["step"] % self.every == 0 or m["step"] == 1):
+            line = format_step(m)
+            if self.bar is not None:
+                self.bar.write(line)
+            else:
+                print(line, flush=True)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{m['loss']:.4f}")
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _mb(n):
+    return "-" if n is None else f"{n / 2**20:.2f}MiB"
+
+
+def format_step(m: dict) -> str:
+    mem = m["memory"]
+    mfu = "" if m["mfu"] is None else f" | mfu {100 * m['mfu']:.1f}%"
+    return (f"step {m['step']:>5} | loss {m['loss']:.4f} | grad norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+            f"{m['tokens_per_s']:,.0f} tok/s | {m['tflops']:.3f} TFLOP/s{mfu} | "
+            f"params {_mb(mem['params'])} grads {_mb(mem['grads'])} optim {_mb(mem['optim'])} "
+            f"act {_mb(mem['activations'])}")
+
+
+def run_training(cfg: RunConfig, ctx: ParallelContext, log_to_stdout: bool = False) -> TrainResult:
+    return Trainer(cfg, ctx, log_to_stdout).fit()
