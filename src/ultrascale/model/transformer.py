@@ -191,7 +191,12 @@ def build_model(cfg: ModelConfig, seed: int, device="cpu", transform=None) -> Tr
         model = Transformer(cfg)
     if transform is not None:
         model = transform(model) or model
+    # to_empty makes new Parameter objects: carry the shard descriptions across.
+    shards = {n: (p.full_shape, p.shard_of_full) for n, p in model.named_parameters() if hasattr(p, "shard_of_full")}
     model.to_empty(device=device)
+    for n, p in model.named_parameters():
+        if n in shards:
+            p.full_shape, p.shard_of_full = shards[n]
     model.init_weights(seed)
     return model
 

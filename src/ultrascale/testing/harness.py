@@ -1,0 +1,143 @@
+"""Run a function on N real gloo processes, from pytest or anywhere.
+
+Starting processes and a process group costs seconds (importing torch, the TCP
+rendezvous); a test suite that runs hundreds of distributed checks cannot pay
+that each time. A `WorkerPool` starts N processes once, joins them in one gloo
+group, and then runs any importable function on all ranks, as many times as
+asked. Contexts for each parallel layout are built once per pool and reused.
+
+A hang is a failure, not a stuck CI: every call has a deadline; past it (or
+shortly after one rank fails while others wait in a collective) the pool is
+killed and the caller gets an error with each rank's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from datetime import timedelta
+
+from ultrascale.distributed.launch import free_port
+
+
+class DistributedError(RuntimeError):
+    """A function failed (or hung) on at least one rank."""
+
+
+def _worker(rank: int, world: int, port: int, tasks, results):
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - everything goes back to the caller
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, *args, timeout: float = 240, **kwargs) -> list:
+        """fn(*args, **kwargs) on every rank; the list of return values, by rank."""
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        deadline = time.monotonic() + timeout
+        out, errors = {}, {}
+        while len(out) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if errors:
+                # The others may be blocked in a collective the failed rank never joined.
+                remaining = min(remaining, 5.0)
+            try:
+                rank, ok, value = self.results.get(timeout=max(0.01, remaining))
+            except queue.Empty:
+                self.close(kill=True)
+                missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
+                msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                raise DistributedError(
+                    f"{fn.__name__} on {self.world_size} ranks: ranks {missing} did not finish "
+                    f"within {timeout:.0f}s{msg}") from None
+            (out if ok else errors)[rank] = value
+        if errors:
+            self.close(kill=True)
+            msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise DistributedError(f"{fn.__name__} failed on {len(errors)} of {self.world_size} ranks:{msg}")
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self.procs, self.tasks):
+            if kill:
+                p.kill()
+            elif p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+_POOLS: dict[int, WorkerPool] = {}
+
+
+def run_distributed(world_size: int, fn, *args, timeout: float = 240, **kwargs) -> list:
+    """Run fn on `world_size` gloo processes (a pool kept for reuse); return each rank's result."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive:
+        pool = _POOLS[world_size] = WorkerPool(world_size)
+    try:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+    finally:
+        if not pool.alive:
+            _POOLS.pop(world_size, None)
+
+
+def shutdown_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+_CONTEXTS: dict = {}
+
+
+def worker_context(layout):
+    """The ParallelContext for `layout` over this worker's process group, built once per layout."""
+    import torch.distributed as dist
+
+    from ultrascale.distributed.context import build_context
+
+    import dataclasses
+
+    layout = layout.resolve(dist.get_world_size())
+    key = (layout.dp, layout.pp, layout.cp, layout.tp, layout.ep)
+    if key not in _CONTEXTS:
+        _CONTEXTS[key] = build_context(layout, dist.get_rank(), dist.get_world_size(), backend="gloo")
+    # Same groups, this call's full layout (zero stage and the like do not change the groups).
+    return dataclasses.replace(_CONTEXTS[key], layout=layout)
