@@ -144,7 +144,6 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
     if t.resume and not os.path.isdir(t.resume):
         raise ConfigError(f"--resume {t.resume}: no such checkpoint directory")
     parallel = cfg.parallel.resolve(world_size)
-    check_implemented(parallel)
     tp = parallel.tp
     if cfg.model.heads % tp or cfg.model.kv_heads % tp:
         raise ConfigError(
@@ -153,6 +152,7 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         )
     if parallel.pp > cfg.model.layers:
         raise ConfigError(f"--pp {parallel.pp} exceeds the model's {cfg.model.layers} layers: lower --pp or add --layers")
+    check_implemented(parallel)
     return replace(cfg, parallel=parallel)
 
 

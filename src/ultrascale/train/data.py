@@ -164,15 +164,17 @@ class TokenBatches:
     """The global batch of every step, and each rank's micro-batches of it."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int):
-        if len(tokens) < seq_len + 2:
-            raise ConfigError(f"the data has {len(tokens)} tokens, fewer than --seq-len + 2 = {seq_len + 2}: "
+        # A window is seq_len + 1 tokens: seq_len inputs and, shifted by one, seq_len targets.
+        if len(tokens) < seq_len + 1:
+            raise ConfigError(f"the data has {len(tokens)} tokens, fewer than --seq-len + 1 = {seq_len + 1}: "
                               f"give more data or a shorter --seq-len")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
 
     def global_batch_at(self, step: int) -> torch.Tensor:
         """[global_batch, seq_len + 1] int64: inputs are [:, :-1], targets [:, 1:]."""
         g = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{step}".encode()))
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=g)
+        # Windows [s, s + seq_len + 1) for every s in 0..len - seq_len - 1 (randint's bound is exclusive).
+        starts = torch.randint(0, len(self.tokens) - self.seq_len, (self.global_batch,), generator=g)
         idx = starts[:, None] + torch.arange(self.seq_len + 1)
         return self.tokens[idx].long()
 
@@ -182,6 +184,11 @@ class TokenBatches:
         Rank r owns rows [r * G/dp, (r+1) * G/dp) of the global batch; micro-batch j
         is the j-th consecutive slice of those rows.
         """
+        if self.global_batch % (dp * grad_accum):
+            raise ValueError(f"global batch {self.global_batch} is not divisible by dp * grad_accum = "
+                             f"{dp} * {grad_accum}")
+        if not 0 <= dp_rank < dp:
+            raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp - 1}")
         batch = self.global_batch_at(step)
         rows = batch.chunk(dp)[dp_rank]
         return [(mb[:, :-1].to(device), mb[:, 1:].to(device)) for mb in rows.chunk(grad_accum)]

@@ -1,0 +1,120 @@
+"""The command line as a user meets it: real processes, real exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--no-progress"]
+
+
+def ultrascale(*args, cwd=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "ultrascale", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+
+
+def losses(path):
+    return [json.loads(line)["loss"] for line in open(path)]
+
+
+def test_train_runs_and_logs(tmp_path):
+    r = ultrascale("train", *TINY, "--steps", "3", "--log-jsonl", str(tmp_path / "a.jsonl"))
+    assert r.returncode == 0, r.stderr
+    assert "step     1 | loss" in r.stdout and "done: 3 steps" in r.stdout
+    assert len(losses(tmp_path / "a.jsonl")) == 3
+
+
+def test_toml_config_is_equivalent_to_flags(tmp_path):
+    (tmp_path / "run.toml").write_text(
+        '[model]\npreset = "tiny"\nlayers = 1\n[train]\nsteps = 3\nseq_len = 32\nmicro_batch = 2\n'
+        'grad_accum = 2\nseed = 5\n')
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert ultrascale("train", "--config", str(tmp_path / "run.toml"), "--log-jsonl", str(a)).returncode == 0
+    r = ultrascale("train", "--model", "tiny", "--layers", "1", "--steps", "3", "--seq-len", "32",
+                   "--micro-batch", "2", "--grad-accum", "2", "--seed", "5", "--log-jsonl", str(b))
+    assert r.returncode == 0, r.stderr
+    assert losses(a) == losses(b)
+    # A flag wins over the file.
+    c = tmp_path / "c.jsonl"
+    assert ultrascale("train", "--config", str(tmp_path / "run.toml"), "--seed", "6", "--log-jsonl",
+                      str(c)).returncode == 0
+    assert losses(c) != losses(a)
+
+
+def test_resume_continues_the_run_from_the_command_line(tmp_path):
+    a, b, c, ck = (str(tmp_path / n) for n in ("a.jsonl", "b.jsonl", "c.jsonl", "ck"))
+    assert ultrascale("train", *TINY, "--steps", "6", "--log-jsonl", a).returncode == 0
+    assert ultrascale("train", *TINY, "--steps", "3", "--save", ck, "--log-jsonl", b).returncode == 0
+    r = ultrascale("train", *TINY, "--steps", "6", "--resume", ck, "--log-jsonl", c)
+    assert r.returncode == 0, r.stderr
+    assert losses(b) + losses(c) == losses(a)
+
+
+BAD = [
+    (["--data", "/no/such/file.txt"], "no such file"),
+    (["--seq-len", "100000"], "exceeds the model's limit"),
+    (["--micro-batch", "0"], "--micro-batch must be a positive"),
+    (["--steps", "-1"], "--steps must be a positive"),
+    (["--nproc", "3", "--tp", "3"], "--tp 3 must divide both the 8 query heads"),
+    (["--nproc", "2", "--tp", "4"], "not divisible"),
+    (["--nproc", "4", "--dp", "3"], "make the product equal --nproc"),
+    (["--dtype", "fp8"], "--dtype must be"),
+    (["--recompute", "some"], "--recompute must be"),
+    (["--model", "gpt5"], "unknown model preset"),
+    (["--resume", "/no/such/dir"], "no such checkpoint"),
+    (["--config", "/no/such.toml"], "no such file"),
+    (["--zero", "2"], "not implemented yet"),
+    (["--nproc", "2"], "not implemented yet"),
+    (["--steps", "many"], "invalid int value"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    # In-process (the same main() the console script calls), to keep the suite fast;
+    # the two tests below check the same through a real process.
+    from ultrascale.cli import main
+
+    try:
+        code = main(["train", *TINY, "--steps", "2", *args, "--save", str(tmp_path / "ck")])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("args,message", [(["--nproc", "4", "--dp", "3"], "make the product equal --nproc"),
+                                          (["--data", "/no/such/file.txt"], "no such file")])
+def test_bad_input_in_a_real_process(tmp_path, args, message):
+    r = ultrascale("train", *TINY, "--steps", "2", *args, "--save", str(tmp_path / "ck"), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "ck").exists()
+
+
+def test_resume_from_another_shape_is_refused(tmp_path):
+    ck = str(tmp_path / "ck")
+    assert ultrascale("train", *TINY, "--steps", "2", "--save", ck).returncode == 0
+    r = ultrascale("train", *TINY, "--steps", "4", "--hidden", "32", "--resume", ck)
+    assert r.returncode == 2 and "another shape" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_resume_already_finished_says_what_to_do(tmp_path):
+    ck = str(tmp_path / "ck")
+    assert ultrascale("train", *TINY, "--steps", "2", "--save", ck).returncode == 0
+    r = ultrascale("train", *TINY, "--steps", "2", "--resume", ck)
+    assert r.returncode == 2 and "pass a larger --steps" in r.stderr
+
+
+def test_bad_toml_is_one_line(tmp_path):
+    (tmp_path / "bad.toml").write_text("[train]\nstepz = 3\n")
+    r = ultrascale("train", "--config", str(tmp_path / "bad.toml"))
+    assert r.returncode == 2 and "unknown key 'stepz'" in r.stderr

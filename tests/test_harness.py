@@ -1,0 +1,43 @@
+"""The harness itself: a failure or a hang on one rank fails the caller, with the traceback."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ultrascale.testing.harness import DistributedError, WorkerPool
+
+
+def _rank_times(x):
+    return dist.get_rank() * x
+
+
+def _fails_on_rank_1():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    dist.all_reduce(torch.ones(1))  # the others wait here for rank 1, which never comes
+
+
+def _sleeps():
+    time.sleep(60)
+
+
+def test_pool_runs_on_every_rank_then_surfaces_failures_and_hangs():
+    pool = WorkerPool(2)
+    try:
+        assert pool.run(_rank_times, 3) == [0, 3]
+        assert pool.run(_rank_times, 5) == [0, 5]  # the same processes, reused
+        with pytest.raises(DistributedError, match="rank one is broken"):
+            pool.run(_fails_on_rank_1, timeout=60)
+        assert not pool.alive  # a pool stuck in a collective is not reused
+    finally:
+        pool.close(kill=True)
+    pool = WorkerPool(2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(DistributedError, match="did not finish within 2s"):
+            pool.run(_sleeps, timeout=2)
+        assert time.monotonic() - start < 30
+    finally:
+        pool.close(kill=True)
