@@ -41,3 +41,30 @@ def test_pool_runs_on_every_rank_then_surfaces_failures_and_hangs():
         assert time.monotonic() - start < 30
     finally:
         pool.close(kill=True)
+
+
+def _unpicklable():
+    import threading
+
+    return threading.Lock()
+
+
+def _exits():
+    import os
+
+    if dist.get_rank() == 0:
+        os._exit(3)
+    time.sleep(60)
+
+
+def test_an_unpicklable_result_or_a_dead_rank_fails_fast():
+    pool = WorkerPool(2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(DistributedError, match="pickle"):
+            pool.run(_unpicklable, timeout=120)
+        with pytest.raises(DistributedError, match="did not finish"):
+            pool.run(_exits, timeout=120)
+        assert time.monotonic() - start < 30
+    finally:
+        pool.close(kill=True)

@@ -13,8 +13,10 @@ killed and the caller gets an error with each rank's traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -37,12 +39,13 @@ def _worker(rank: int, world: int, port: int, tasks, results):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     while True:
-        task = tasks.get()
-        if task is None:
-            break
-        fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            task = tasks.get()
+            if task is None:
+                break
+            fn, args, kwargs = pickle.loads(task)
+            # Pickle here, not in the queue's feeder thread, so an unpicklable result is an error, not a hang.
+            results.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
         except BaseException:  # noqa: BLE001 - everything goes back to the caller
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
@@ -66,25 +69,32 @@ class WorkerPool:
 
     def run(self, fn, *args, timeout: float = 240, **kwargs) -> list:
         """fn(*args, **kwargs) on every rank; the list of return values, by rank."""
+        task = pickle.dumps((fn, args, kwargs))  # fails here, in the caller, if it cannot travel
         for q in self.tasks:
-            q.put((fn, args, kwargs))
+            q.put(task)
         deadline = time.monotonic() + timeout
-        out, errors = {}, {}
+        out, errors, grace = {}, {}, False
         while len(out) + len(errors) < self.world_size:
+            if (errors or not self.alive) and not grace:
+                # The others may be blocked in a collective the failed (or dead) rank never joined.
+                grace, deadline = True, min(deadline, time.monotonic() + 5.0)
             remaining = deadline - time.monotonic()
-            if errors:
-                # The others may be blocked in a collective the failed rank never joined.
-                remaining = min(remaining, 5.0)
             try:
-                rank, ok, value = self.results.get(timeout=max(0.01, remaining))
+                rank, ok, value = self.results.get(timeout=max(0.01, min(remaining, 1.0)))
             except queue.Empty:
+                if remaining > 1.0 and self.alive:
+                    continue
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                 self.close(kill=True)
                 missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
                 msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                why = f"(ranks {dead} died)" if dead else f"within {timeout:.0f}s"
                 raise DistributedError(
-                    f"{fn.__name__} on {self.world_size} ranks: ranks {missing} did not finish "
-                    f"within {timeout:.0f}s{msg}") from None
-            (out if ok else errors)[rank] = value
+                    f"{fn.__name__} on {self.world_size} ranks: ranks {missing} did not finish {why}{msg}") from None
+            if ok:
+                out[rank] = pickle.loads(value)
+            else:
+                errors[rank] = value
         if errors:
             self.close(kill=True)
             msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
@@ -92,11 +102,17 @@ class WorkerPool:
         return [out[r] for r in range(self.world_size)]
 
     def close(self, kill: bool = False) -> None:
+        self.request_close(kill)
+        self.join()
+
+    def request_close(self, kill: bool = False) -> None:
         for p, q in zip(self.procs, self.tasks):
             if kill:
                 p.kill()
             elif p.is_alive():
                 q.put(None)
+
+    def join(self) -> None:
         for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
@@ -119,8 +135,11 @@ def run_distributed(world_size: int, fn, *args, timeout: float = 240, **kwargs) 
 
 
 def shutdown_pools() -> None:
+    # Ask all pools first, then wait: their shutdowns overlap.
     for pool in _POOLS.values():
-        pool.close()
+        pool.request_close()
+    for pool in _POOLS.values():
+        pool.join()
     _POOLS.clear()
 
 
@@ -132,8 +151,6 @@ def worker_context(layout):
     import torch.distributed as dist
 
     from ultrascale.distributed.context import build_context
-
-    import dataclasses
 
     layout = layout.resolve(dist.get_world_size())
     key = (layout.dp, layout.pp, layout.cp, layout.tp, layout.ep)
