@@ -37,6 +37,10 @@ class ParallelConfig:
     cp: int = 1
     ep: int = 1
     zero: int = 0
+    # Data parallelism, in the playbook's steps: naive | overlap | bucket.
+    dp_mode: str = "bucket"
+    bucket_mb: float = 25.0  # PyTorch DDP's default bucket_cap_mb
+    dp_comm_dtype: str = "fp32"  # fp32 | bf16 (compress the bucket all-reduce; changes numerics)
 
     def resolve(self, world_size: int) -> "ParallelConfig":
         """Fill in dp from the world size and check the grid covers it exactly."""
@@ -62,6 +66,20 @@ class ParallelConfig:
             raise ConfigError(f"--ep {self.ep} must divide dp = {dp}: expert groups are carved out of data parallelism")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.dp_mode not in ("naive", "overlap", "bucket"):
+            raise ConfigError(f"--dp-mode must be naive, overlap or bucket, got {self.dp_mode!r}")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        if self.dp_comm_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"--dp-comm-dtype must be fp32 or bf16, got {self.dp_comm_dtype!r}")
+        if self.zero and dp * self.cp == 1:
+            raise ConfigError(f"--zero {self.zero} with dp = 1: there is nothing to shard across; "
+                              f"drop --zero or raise --dp")
+        if self.zero and self.dp_mode != "bucket":
+            raise ConfigError(f"--zero {self.zero} is built on bucketed data parallelism: drop --dp-mode {self.dp_mode}")
+        if self.dp_comm_dtype != "fp32" and (self.dp_mode != "bucket" or self.zero):
+            raise ConfigError("--dp-comm-dtype bf16 compresses the bucket all-reduce: use it with "
+                              "--dp-mode bucket and --zero 0")
         return replace(self, dp=dp)
 
 
@@ -158,7 +176,7 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
 
 # Which parallel sizes the engine runs today. A technique lands by adding itself
 # here and in ultrascale.parallel; until then a size above 1 is refused, never ignored.
-IMPLEMENTED = {"dp": False, "tp": False, "pp": False, "cp": False, "ep": False, "zero": False}
+IMPLEMENTED = {"dp": True, "tp": False, "pp": False, "cp": False, "ep": False, "zero": True}
 
 
 def check_implemented(p: ParallelConfig) -> None:

@@ -23,8 +23,13 @@ def shard_model(ctx, cfg):
     return None
 
 
-def build_grads(params, ctx, cfg):
-    return LocalGrads(params)
+def build_grads(model, params, ctx, cfg):
+    """The gradient owner for this layout: plain, or a data-parallel mode, or ZeRO."""
+    if ctx.size("dp_cp") == 1:
+        return LocalGrads(params, cfg.train.dtype)
+    from ultrascale.parallel.data_parallel import build_data_parallel
+
+    return build_data_parallel(model, params, ctx, cfg)
 
 
 def grad_norm_reducer(ctx):

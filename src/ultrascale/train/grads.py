@@ -1,4 +1,4 @@
-"""Where gradients accumulate: one fp32 `main_grad` per parameter.
+"""Who owns the parameters the optimizer updates and the gradients it reads.
 
 Autograd writes each micro-batch's gradient into `param.grad` (in the compute
 dtype); a post-accumulate-grad hook adds it into `param.main_grad` (fp32) and
@@ -6,9 +6,10 @@ frees `param.grad`. Accumulating in fp32 keeps bf16 runs from losing small
 micro-batch contributions, and gives every data-parallel mode one place to
 hook into: the moment a parameter's gradient is ready.
 
-`LocalGrads` is the single-process case; the data-parallel modes subclass it and
-start their reductions from `on_grad_ready`, suppress them inside `no_sync()`,
-and wait for them in `finish()`.
+`LocalGrads` is the single-process case. The data-parallel modes subclass it:
+they choose where `main_grad` lives (`_allocate`), start reductions from
+`on_grad_ready`, suppress them inside `no_sync()` and wait for them in
+`finish()`; ZeRO also shards what the optimizer updates (`main`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,25 @@ import contextlib
 
 import torch
 
+from ultrascale.train.precision import MainParams
+
 
 class LocalGrads:
-    def __init__(self, params: list[torch.nn.Parameter]):
+    def __init__(self, params: list[torch.nn.Parameter], dtype: str = "fp32"):
         self.params = params
         self._sync = True
+        self.main = self._make_main(dtype)
+        self._allocate()
         for p in params:
-            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
             p.register_post_accumulate_grad_hook(self._accumulate)
+
+    def _make_main(self, dtype: str):
+        """The tensors the optimizer updates (casts the model to the compute dtype)."""
+        return MainParams(self.params, dtype)
+
+    def _allocate(self) -> None:
+        for p in self.params:
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
 
     def _accumulate(self, p: torch.nn.Parameter) -> None:
         p.main_grad.add_(p.grad)
@@ -44,12 +56,34 @@ class LocalGrads:
             self._sync = True
 
     def finish(self) -> None:
-        """Wait for every outstanding reduction; afterwards main_grad holds the final gradient."""
+        """Wait for every outstanding reduction; afterwards grads() holds the final gradient."""
 
     def zero(self) -> None:
         for p in self.params:
             p.main_grad.zero_()
 
     def grads(self) -> list[torch.Tensor]:
-        """The fp32 gradient of each parameter (or of this rank's shard), in parameter order."""
+        """The fp32 gradient of each tensor in `main.main`, in the same order."""
         return [p.main_grad for p in self.params]
+
+    def reduce_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
+        """Sum a squared gradient norm over ranks holding different pieces (ZeRO shards)."""
+        return sq
+
+    def param_tensors(self):
+        """The tensors holding this rank's parameters, for memory accounting."""
+        return self.params
+
+    # -- what a checkpoint holds, and the full parameters -------------------
+    def state_dict(self) -> dict:
+        return {"params": [p.detach() for p in self.params], "main": self.main.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for p, saved in zip(self.params, state["params"]):
+            p.copy_(saved)
+        self.main.load_state_dict(state["main"])
+
+    def full_params(self) -> list[torch.Tensor]:
+        """Every parameter in full, fp32, on every rank (for comparisons and export)."""
+        return [m.detach().float() for m in self.main.main]

@@ -58,8 +58,9 @@ class ActivationMeter:
     """Counts the bytes autograd keeps for backward, while active."""
 
     def __init__(self, model_tensors):
-        # Parameters and buffers are not activations, even when an op saves them.
-        self.param_storages = {t.untyped_storage().data_ptr() for t in model_tensors}
+        # Parameters and buffers are not activations, even when an op saves them. Keyed by
+        # the storage object, not its address: ZeRO-3 frees and re-allocates parameter storage.
+        self.param_storages = {t.untyped_storage()._cdata for t in model_tensors}
         self.saved: dict[int, int] = {}
         self.peak = 0
 
@@ -71,9 +72,8 @@ class ActivationMeter:
         if not torch.is_tensor(t) or t.device.type == "meta":
             return
         s = t.untyped_storage()
-        ptr = s.data_ptr()
-        if ptr not in self.param_storages:
-            self.saved[ptr] = s.nbytes()
+        if s._cdata not in self.param_storages:
+            self.saved[s.data_ptr()] = s.nbytes()
 
     @contextlib.contextmanager
     def forward(self):

@@ -9,11 +9,14 @@ import torch
 from ultrascale.config import TrainConfig
 
 
-def build_adamw(named_main: list[tuple[str, torch.Tensor]], cfg: TrainConfig) -> torch.optim.AdamW:
-    """Weight decay on matrices only; norms, biases (1-D tensors) are not decayed."""
-    decay = [p for n, p in named_main if p.ndim >= 2]
-    no_decay = [p for n, p in named_main if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def build_adamw(main: list[torch.Tensor], decay: list[bool], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (decay[i] says which; norms and biases are not decayed).
+
+    foreach=False: the per-tensor loop gives the same result whether the tensors
+    are whole parameters or ZeRO shards of them.
+    """
+    groups = [{"params": [p for p, d in zip(main, decay) if d], "weight_decay": cfg.weight_decay},
+              {"params": [p for p, d in zip(main, decay) if not d], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
 
 

@@ -22,6 +22,8 @@ class MainParams:
     def __init__(self, params: list[nn.Parameter], dtype: str):
         self.params = params
         self.mixed = dtype != "fp32"
+        # Matrices are decayed, vectors (norms, biases) are not.
+        self.decay = [p.ndim >= 2 for p in params]
         if self.mixed:
             # Masters copy the fp32 initial values before the cast, so no rounding is baked in.
             self.main = [nn.Parameter(p.detach().clone().float()) for p in params]
@@ -46,4 +48,14 @@ class MainParams:
                 p.copy_(m)
 
     def master_bytes(self) -> int:
+        """Bytes of fp32 master copies (none in fp32: the optimizer updates the model in place)."""
         return sum(m.numel() * m.element_size() for m in self.main) if self.mixed else 0
+
+    def state_dict(self):
+        return [m.detach() for m in self.main] if self.mixed else None
+
+    @torch.no_grad()
+    def load_state_dict(self, saved) -> None:
+        if saved is not None:
+            for m, s in zip(self.main, saved):
+                m.copy_(s)

@@ -25,7 +25,6 @@ from ultrascale.train import checkpoint
 from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_tflops, storage_bytes
 from ultrascale.train.optim import build_adamw, clip_grad_norm_, lr_at
-from ultrascale.train.precision import MainParams
 from ultrascale.train.recompute import apply_recompute
 
 
@@ -51,13 +50,14 @@ class Trainer:
 
         self.model = build_model(cfg.model, t.seed, ctx.device, transform=parallel.shard_model(ctx, cfg))
         apply_recompute(self.model, t.recompute)
-        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.main = MainParams(params, t.dtype)
-        self.grads = parallel.build_grads(params, ctx, cfg)
-        self.reduce_sq = parallel.grad_norm_reducer(ctx)
-        self.opt = build_adamw(list(zip(names, self.main.main)), t)
-        self.names = names
+        # The gradient owner also casts the model to the compute dtype and makes the
+        # tensors the optimizer updates (fp32 masters, ZeRO shards of them).
+        self.grads = parallel.build_grads(self.model, params, ctx, cfg)
+        self.main = self.grads.main
+        self.model_parallel_sq = parallel.grad_norm_reducer(ctx)
+        self.opt = build_adamw(self.main.main, self.main.decay, t)
         self.meter = ActivationMeter(list(self.model.parameters()) + list(self.model.buffers()))
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak = peak_tflops(ctx.device, t.dtype)
@@ -88,7 +88,7 @@ class Trainer:
         loss = self.forward_backward(micro_batches)
         self.grads.finish()
         grads = self.grads.grads()
-        grad_norm = clip_grad_norm_(grads, t.grad_clip, self.reduce_sq)
+        grad_norm = clip_grad_norm_(grads, t.grad_clip, self._reduce_norm_sq)
         lr = lr_at(self.step, t)
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -111,9 +111,13 @@ class Trainer:
             "step_time_s": elapsed, "memory": self.memory(),
         }
 
+    def _reduce_norm_sq(self, sq):
+        sq = self.grads.reduce_norm_sq(sq)
+        return self.model_parallel_sq(sq) if self.model_parallel_sq else sq
+
     def memory(self) -> dict:
         mem = {
-            "params": storage_bytes(self.model.parameters()),
+            "params": storage_bytes(self.grads.param_tensors()),
             "grads": storage_bytes(self.grads.grads()),
             "optim": storage_bytes(optimizer_state_tensors(self.opt)) + self.main.master_bytes(),
             "activations": self.meter.take_peak() if self.cfg.train.measure_activations else None,
@@ -144,16 +148,11 @@ class Trainer:
 
     def full_state_dict(self) -> dict:
         """The fp32 parameters under their single-device names, on the CPU."""
-        return {n: m.detach().float().cpu().clone() for n, m in zip(self.names, self.main.main)}
+        return {n: t.cpu().clone() for n, t in zip(self.names, self.grads.full_params())}
 
     # -- checkpoints --------------------------------------------------------
     def save(self, path: str) -> None:
-        state = {
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "main": [m.detach() for m in self.main.main] if self.main.mixed else None,
-            "optimizer": self.opt.state_dict(),
-        }
+        state = {"step": self.step, "params": self.grads.state_dict(), "optimizer": self.opt.state_dict()}
         checkpoint.save(path, self.ctx, self.step, self.cfg.to_dict(), state)
 
     def _resume(self, path: str) -> None:
@@ -165,11 +164,7 @@ class Trainer:
             raise ConfigError(f"--resume {path} is already at step {meta['step']} and --steps "
                               f"{self.cfg.train.steps} counts all steps: pass a larger --steps")
         state = checkpoint.load(path, self.ctx.rank)
-        self.model.load_state_dict(state["model"])
-        if state["main"] is not None:
-            with torch.no_grad():
-                for m, saved in zip(self.main.main, state["main"]):
-                    m.copy_(saved)
+        self.grads.load_state_dict(state["params"])
         self.opt.load_state_dict(state["optimizer"])
         self.step = state["step"]
 

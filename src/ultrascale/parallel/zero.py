@@ -1,0 +1,260 @@
+"""ZeRO: remove data parallelism's redundancy, one kind of state at a time.
+
+Plain data parallelism keeps, on every one of N_d ranks, all parameters, all
+gradients and all optimizer state. ZeRO (Rajbhandari et al. 2020) cuts each
+bucket into N_d shards (buckets.py) and lets rank r own shard r:
+
+ZeRO-1  optimizer state (and fp32 master weights) sharded. Gradients are
+        reduce-scattered (each rank receives the average of its shard only),
+        each rank updates its shard, then the parameters are all-gathered.
+ZeRO-2  + gradients sharded: each bucket is reduce-scattered as soon as it is
+        complete during backward and its full buffer is freed; a rank keeps only
+        its shard, accumulated over micro-batches (so ZeRO-2 communicates every
+        micro-batch: skipping it would mean keeping full gradients).
+ZeRO-3  + parameters sharded (FSDP): one unit per transformer block, plus one
+        for what lies outside the blocks (embedding, final norm, head). A unit's
+        parameters are all-gathered just before its forward and freed after it,
+        gathered again just before its backward and freed once its gradients
+        are reduce-scattered; the next unit's all-gather is started early
+        (prefetch) so it overlaps the current unit's compute.
+
+Per-rank bytes, with Psi parameters and our recipe (fp32 gradients; bf16 adds
+fp32 master weights to the optimizer state, k = 12, or k = 8 in fp32):
+  DP     b*Psi + 4*Psi + k*Psi              (b = 2 for bf16, 4 for fp32)
+  ZeRO-1 b*Psi + 4*Psi + k*Psi/N_d
+  ZeRO-2 b*Psi + (4*Psi + k*Psi)/N_d
+  ZeRO-3 (b*Psi + 4*Psi + k*Psi)/N_d
+plus at most N_d - 1 padding elements per bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ultrascale.parallel.buckets import Bucket, make_buckets
+from ultrascale.train.grads import LocalGrads
+from ultrascale.train.precision import DTYPES
+
+# torch 2.13 renamed the flat collectives; older releases in our range have only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedMainParams:
+    """The optimizer's view under ZeRO: one fp32 tensor per piece of a parameter in this rank's shards.
+
+    AdamW works element by element, so updating pieces gives exactly what
+    updating whole parameters would; only weight decay needs to know which
+    parameter a piece came from. Pieces are (bucket, start, end) in the
+    bucket's flat coordinates.
+    """
+
+    def __init__(self, pieces, main, decay, shard_view, mixed, after_update):
+        self.pieces, self.main, self.decay = pieces, main, decay
+        self.shard_view, self.mixed, self.after_update = shard_view, mixed, after_update
+
+    def attach_grads(self, grads) -> None:
+        for m, g in zip(self.main, grads):
+            m.grad = g
+
+    def detach_grads(self) -> None:
+        for m in self.main:
+            m.grad = None
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        if self.mixed:  # in fp32 the pieces are views of the parameters: already updated
+            for (b, start, end), m in zip(self.pieces, self.main):
+                self.shard_view(b, start, end).copy_(m)
+        self.after_update()
+
+    def master_bytes(self) -> int:
+        return sum(m.numel() * 4 for m in self.main) if self.mixed else 0
+
+    def state_dict(self):
+        return [m.detach().clone() for m in self.main]
+
+    @torch.no_grad()
+    def load_state_dict(self, saved) -> None:
+        for m, s in zip(self.main, saved):
+            m.copy_(s)
+
+
+class ZeroDataParallel(LocalGrads):
+    """ZeRO stages 1 and 2 over size-capped buckets (stage 3 extends it in zero3.py)."""
+
+    def __init__(self, params, dtype, group, world, rank, stage, buckets):
+        self.group, self.world, self.rank, self.stage = group, world, rank, stage
+        self.buckets: list[Bucket] = buckets
+        self._bucket_of = {p: b for b in buckets for p in b.params}
+        self._callback_queued = False
+        super().__init__(params, dtype)
+        self._reset()
+
+    # -- parameters: flat buffers, shards, and the optimizer's pieces -------
+    def _make_main(self, dtype: str):
+        mixed = dtype != "fp32"
+        pieces, main, decay = [], [], []
+        for b in self.buckets:
+            b.shard = b.shard_range(self.rank, self.world)
+            b.param_flat = torch.zeros(b.numel, dtype=DTYPES[dtype], device=b.params[0].device)
+            with torch.no_grad():
+                for i, p in enumerate(b.params):
+                    b.view(b.param_flat, i).copy_(p.detach())
+            for i, start, end in b.pieces(self.rank, self.world):
+                p, off = b.params[i], b.offsets[i]
+                if mixed:  # masters copy the fp32 initial values, before any rounding
+                    main.append(nn.Parameter(p.detach().flatten()[start - off:end - off].clone()))
+                pieces.append((b, start, end))
+                decay.append(p.ndim >= 2)
+            for i, p in enumerate(b.params):
+                p.data = b.view(b.param_flat, i)
+            self._place(b)
+        if not mixed:
+            # fp32: the optimizer updates this rank's shard of the parameters in place.
+            main = [nn.Parameter(self._shard_view(b, s, e), requires_grad=False) for b, s, e in pieces]
+        return ShardedMainParams(pieces, main, decay, self._shard_view, mixed, self._after_update)
+
+    def _place(self, b) -> None:
+        """Stage 3 keeps only the shard of the parameters; stages 1 and 2 keep them whole."""
+
+    def _shard_view(self, b, start, end):
+        """Flat range [start, end) of this rank's shard of the parameters, where the optimizer writes."""
+        return b.param_flat[start:end]
+
+    def _after_update(self) -> None:
+        # Every rank updated its shard; all-gather puts the whole bucket back on every rank.
+        works = [_all_gather(b.param_flat, b.param_flat[b.shard[0]:b.shard[1]], group=self.group, async_op=True)
+                 for b in self.buckets]
+        for w in works:
+            w.wait()
+
+    # -- gradients ----------------------------------------------------------
+    def _allocate(self) -> None:
+        for b in self.buckets:
+            device = b.params[0].device
+            if self.stage == 1:
+                b.grad = torch.zeros(b.numel, dtype=torch.float32, device=device)
+                for i, p in enumerate(b.params):
+                    p.main_grad = b.view(b.grad, i)
+            else:
+                b.grad = None  # the full buffer exists only during backward
+                b.grad_shard = torch.zeros(b.shard[1] - b.shard[0], dtype=torch.float32, device=device)
+
+    def _reset(self) -> None:
+        self._ready = [0] * len(self.buckets)
+        self._next = 0  # buckets launch in index order on every rank, whatever order they fill in
+        self._pending = []
+
+    def _accumulate(self, p) -> None:
+        b = self._bucket_of[p]
+        if self.stage >= 2:
+            if b.grad is None:
+                b.grad = torch.zeros(b.numel, dtype=torch.float32, device=p.device)
+                for i, q in enumerate(b.params):
+                    q.main_grad = b.view(b.grad, i)
+            if not self._callback_queued:
+                # Runs when this backward pass ends: drain the reduce-scatters of this micro-batch.
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._callback_queued = True
+        super()._accumulate(p)
+
+    def on_grad_ready(self, p) -> None:
+        if not self._sync and self.stage == 1:
+            return  # ZeRO-1 keeps full gradients: reduce once, after the last micro-batch
+        b = self._bucket_of[p]
+        self._ready[b.index] += 1
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b) -> None:
+        b.grad.div_(self.world)
+        lo, hi = b.shard
+        # ZeRO-1 reduces in place: this rank's slice of the bucket receives the average of that slice.
+        out = b.grad[lo:hi] if self.stage == 1 else torch.empty(hi - lo, dtype=torch.float32, device=b.grad.device)
+        self._pending.append((_reduce_scatter(out, b.grad, group=self.group, async_op=True), b, out))
+        self._launched(b)
+        if self.stage >= 2 and len(self._pending) > 2:
+            self._retire(self._pending.pop(0))  # bound the full gradient buffers alive at once
+
+    def _launched(self, b) -> None:
+        """Stage 3: a unit whose gradients are all in no longer needs its parameters."""
+
+    def _retire(self, item) -> None:
+        work, b, out = item
+        work.wait()
+        if self.stage >= 2:
+            b.grad_shard.add_(out)
+            b.grad = None
+            for q in b.params:
+                q.main_grad = None  # drop the views, or they keep the full buffer alive
+
+    def _drain(self) -> None:
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if self.stage == 1 or b.grad is not None:  # stage 2/3: skip buckets no gradient reached
+                self._launch(b)
+            self._next += 1
+        for item in self._pending:
+            self._retire(item)
+        self._reset()
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._drain()
+
+    def finish(self) -> None:
+        self._drain()
+
+    def zero(self) -> None:
+        for b in self.buckets:
+            (b.grad if self.stage == 1 else b.grad_shard).zero_()
+
+    def grads(self):
+        if self.stage == 1:
+            return [b.grad[s:e] for b, s, e in self.main.pieces]
+        return [b.grad_shard[s - b.shard[0]:e - b.shard[0]] for b, s, e in self.main.pieces]
+
+    def reduce_norm_sq(self, sq):
+        dist.all_reduce(sq, group=self.group)  # each rank holds a different shard
+        return sq
+
+    # -- checkpoints and full parameters -----------------------------------
+    def state_dict(self) -> dict:
+        shards = [self._shard_view(b, *b.shard).detach().clone() for b in self.buckets]
+        return {"shards": shards, "main": self.main.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state) -> None:
+        for b, shard in zip(self.buckets, state["shards"]):
+            self._shard_view(b, *b.shard).copy_(shard)
+        self.main.load_state_dict(state["main"])
+        self._after_update()
+
+    @torch.no_grad()
+    def full_params(self):
+        """Every parameter in fp32, rebuilt from the shards of the master weights (an all-reduce of
+        zero-padded shards: simple, and used only for checks and export)."""
+        flats = {id(b): torch.zeros(b.numel, dtype=torch.float32, device=b.params[0].device) for b in self.buckets}
+        for (b, start, end), m in zip(self.main.pieces, self.main.main):
+            flats[id(b)][start:end] = m.detach().float()
+        by_param = {}
+        for b in self.buckets:
+            dist.all_reduce(flats[id(b)], group=self.group)
+            for i, p in enumerate(b.params):
+                by_param[p] = b.view(flats[id(b)], i).clone()
+        return [by_param[p] for p in self.params]
+
+
+def build_zero(model, params, ctx, cfg):
+    p = cfg.parallel
+    group, world, rank = ctx.group("dp_cp"), ctx.size("dp_cp"), ctx.index("dp_cp")
+    if p.zero == 3:
+        from ultrascale.parallel.zero3 import Zero3
+
+        return Zero3(model, params, cfg.train.dtype, group, world, rank)
+    buckets = make_buckets(params, p.bucket_mb * 2**20, pad_to=world)
+    return ZeroDataParallel(params, cfg.train.dtype, group, world, rank, p.zero, buckets)
