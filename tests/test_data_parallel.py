@@ -1,0 +1,176 @@
+"""Data parallelism and ZeRO, on real gloo processes, against the single-process run and the peers."""
+
+import contextlib
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, validate
+from ultrascale.model import count_params, get_preset
+from ultrascale.testing.compare import (
+    assert_matches,
+    compare,
+    single_process_config,
+    train_parallel,
+    train_single,
+)
+from ultrascale.testing.harness import run_distributed, worker_context
+
+MODES = [("naive", 0), ("overlap", 0), ("bucket", 0), ("bucket", 1), ("bucket", 2), ("bucket", 3)]
+
+
+def config(world, grad_accum, mode="bucket", zero=0, steps=4, dtype="fp32", **parallel):
+    # A 0.05 MB cap cuts the tiny model (0.43 MB of fp32 gradients) into ~9 buckets.
+    p = ParallelConfig(dp=world, dp_mode=mode, zero=zero, bucket_mb=0.05, **parallel)
+    t = TrainConfig(steps=steps, seq_len=32, micro_batch=2, grad_accum=grad_accum, seed=3, dtype=dtype,
+                    progress=False)
+    return RunConfig(model=get_preset("tiny"), parallel=p, train=t)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(world, grad_accum, steps=4, dtype="fp32"):
+    """The single-process run on the same global batch (cached: many layouts share it)."""
+    return train_single(single_process_config(config(world, grad_accum, steps=steps, dtype=dtype)))
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode,zero", MODES, ids=[f"{m}-zero{z}" for m, z in MODES])
+def test_matches_the_single_process_run(mode, zero, world, grad_accum):
+    ref = reference(world, grad_accum)
+    losses, state, _ = train_parallel(config(world, grad_accum, mode, zero), world)[0]
+    c = compare(f"dp {mode} zero {zero}, {world} ranks, grad accum {grad_accum}", ref.losses, ref.state,
+                losses, state)
+    assert_matches(c, loss_rtol=1e-5, param_atol=1e-5)
+
+
+def test_every_rank_ends_with_the_same_parameters():
+    per_rank = train_parallel(config(4, 1, "bucket", 3), 4)
+    for losses, state, _ in per_rank[1:]:
+        assert losses == per_rank[0][0]
+        for name, p in state.items():
+            assert torch.equal(p, per_rank[0][1][name]), name
+
+
+# -- memory: the playbook's formulas, exactly --------------------------------
+def expected_bytes(psi, n, zero, dtype):
+    """(params, grads, optim) per rank: parameters in the compute dtype (b bytes), gradients
+    accumulated in fp32 (4), Adam's two fp32 moments plus, in bf16, fp32 master weights (k)."""
+    b, k = (2, 12) if dtype == "bf16" else (4, 8)
+    return (b * psi // (n if zero >= 3 else 1), 4 * psi // (n if zero >= 2 else 1), k * psi // (n if zero >= 1 else 1))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_memory_by_owner_equals_the_zero_formulas(zero, dtype):
+    psi, world = count_params(get_preset("tiny")), 4
+    per_rank = train_parallel(config(world, 2, "bucket", zero, steps=1, dtype=dtype), world)
+    want = expected_bytes(psi, world, zero, dtype)
+    for _, _, memory in per_rank:
+        m = memory[0]
+        assert (m["params"], m["grads"], m["optim"]) == want, (zero, dtype, m)
+
+
+def test_zero1_optimizer_state_is_a_quarter_on_four_ranks():
+    plain = train_parallel(config(4, 1, "bucket", 0, steps=1), 4)[0][2][0]["optim"]
+    zero1 = train_parallel(config(4, 1, "bucket", 1, steps=1), 4)[0][2][0]["optim"]
+    assert zero1 * 4 == plain
+
+
+def test_uneven_shards_pad_the_last_rank():
+    # 3 ranks: the tiny model's 106,944 parameters split into buckets that do not divide by 3.
+    psi = count_params(get_preset("tiny"))
+    per_rank = train_parallel(config(3, 1, "bucket", 3, steps=2), 3)
+    ref = reference(3, 1, steps=2)
+    assert_matches(compare("zero 3, 3 ranks (padded shards)", ref.losses, ref.state, *per_rank[0][:2]))
+    total_params = sum(mem[0]["params"] for _, _, mem in per_rank)
+    # 3 units (2 blocks, the root), each padded by at most N_d - 1 = 2 elements; a block has
+    # 36,992 parameters, 2 more than a multiple of 3, so there is padding to place.
+    assert 4 * psi < total_params <= 4 * (psi + 3 * 2)
+
+
+# -- precision ----------------------------------------------------------------
+@pytest.mark.parametrize("mode,zero", [("bucket", 0), ("bucket", 3)])
+def test_bf16_stays_within_tolerance_of_fp32(mode, zero):
+    ref = reference(2, 2, steps=6)
+    losses, _, _ = train_parallel(config(2, 2, mode, zero, steps=6, dtype="bf16"), 2)[0]
+    rel = max(abs(a - b) / b for a, b in zip(losses, ref.losses))
+    assert rel < 0.02, rel  # documented in docs/data_parallel.md
+
+
+def test_bf16_gradient_compression_changes_numerics_a_little():
+    ref = reference(2, 1, steps=6)
+    losses, state, _ = train_parallel(config(2, 1, "bucket", 0, steps=6, dp_comm_dtype="bf16"), 2)[0]
+    c = compare("bucket with bf16 all-reduce vs fp32 single process", ref.losses, ref.state, losses, state)
+    assert c.max_loss_rel < 0.01
+    assert c.max_param_abs > 1e-6  # it really communicated in bf16
+
+
+# -- checkpoints across ranks --------------------------------------------------
+@pytest.mark.parametrize("zero", [1, 3])
+def test_resume_with_sharded_state(tmp_path, zero):
+    straight = train_parallel(config(2, 2, "bucket", zero, steps=4), 2)[0][0]
+    first = config(2, 2, "bucket", zero, steps=2)
+    first = dataclasses.replace(first, train=dataclasses.replace(first.train, save=str(tmp_path / "ck")))
+    head = train_parallel(first, 2)[0][0]
+    second = config(2, 2, "bucket", zero, steps=4)
+    second = dataclasses.replace(second, train=dataclasses.replace(second.train, resume=str(tmp_path / "ck")))
+    tail = train_parallel(second, 2)[0][0]
+    assert head + tail == straight
+
+
+# -- the peers: PyTorch DDP and FSDP2 ------------------------------------------
+def _peer_run(cfg, peer):
+    """The same training as our trainer (model, data, AdamW, clipping, schedule), wrapped by a PyTorch peer."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ultrascale.model import build_model, cross_entropy_loss
+    from ultrascale.train.data import TokenBatches, load_tokens
+    from ultrascale.train.optim import build_adamw, lr_at
+
+    ctx, t = worker_context(cfg.parallel), cfg.train
+    model = build_model(cfg.model, t.seed)
+    names = [n for n, _ in model.named_parameters()]
+    if peer == "ddp":
+        wrapped = DistributedDataParallel(model, process_group=ctx.group("dp_cp"), bucket_cap_mb=cfg.parallel.bucket_mb)
+        no_sync = wrapped.no_sync
+    else:
+        mesh = DeviceMesh.from_group(ctx.group("dp_cp"), "cpu")
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+        no_sync = contextlib.nullcontext  # FSDP2 reduce-scatters every micro-batch, as our ZeRO-3 does
+    params = list(model.parameters())
+    opt = build_adamw(params, [p.ndim >= 2 for p in params], t)
+    data = TokenBatches(load_tokens(t.data), t.seq_len, cfg.global_batch, t.seed)
+    losses = []
+    for step in range(t.steps):
+        total = 0.0
+        micro = data.micro_batches(step, ctx.coords["dp"], cfg.parallel.dp, t.grad_accum)
+        for j, (x, y) in enumerate(micro):
+            with no_sync() if j < len(micro) - 1 else contextlib.nullcontext():
+                loss = cross_entropy_loss(wrapped(x), y)
+                (loss / len(micro)).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, t)
+        opt.step()
+        opt.zero_grad()
+        losses.append(ctx.all_reduce_mean(total / len(micro)))
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in zip(names, params)}
+    return losses, full
+
+
+@pytest.mark.parametrize("ours,peer", [(("bucket", 0), "ddp"), (("bucket", 3), "fsdp2")])
+def test_matches_the_pytorch_peer(ours, peer):
+    cfg = validate(config(2, 2, *ours, steps=4), 2)
+    theirs_losses, theirs_state = run_distributed(2, _peer_run, cfg, peer)[0]
+    losses, state, _ = train_parallel(cfg, 2)[0]
+    c = compare(f"ours {ours[0]} zero {ours[1]} vs PyTorch {peer}, 2 ranks", theirs_losses, theirs_state,
+                losses, state)
+    assert_matches(c, loss_rtol=1e-5, param_atol=1e-5)
