@@ -28,6 +28,7 @@ TRAIN_FLAGS = [
     ("--pp", "parallel", "pp", int, "pipeline-parallel size"),
     ("--cp", "parallel", "cp", int, "context-parallel size"),
     ("--ep", "parallel", "ep", int, "expert-parallel size"),
+    ("--sp", "parallel", "sp", bool, "sequence parallelism within the tensor-parallel group"),
     ("--zero", "parallel", "zero", int, "ZeRO stage 0-3 (1: optimizer states, 2: + gradients, 3: + parameters)"),
     ("--dp-mode", "parallel", "dp_mode", str, "data parallelism: naive, overlap or bucket"),
     ("--bucket-mb", "parallel", "bucket_mb", float, "gradient bucket size in MB (bucket mode, ZeRO-1/2)"),
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ultrascale", description="The Ultra-Scale Playbook, as software that runs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_train(sub)
+    # Each further command registers itself here with its module's add_parser(sub).
     return parser
 
 

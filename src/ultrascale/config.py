@@ -37,6 +37,7 @@ class ParallelConfig:
     cp: int = 1
     ep: int = 1
     zero: int = 0
+    sp: bool = False  # sequence parallelism: shard norms and residuals along the sequence in the TP group
     # Data parallelism, in the playbook's steps: naive | overlap | bucket.
     dp_mode: str = "bucket"
     bucket_mb: float = 25.0  # PyTorch DDP's default bucket_cap_mb
@@ -64,6 +65,8 @@ class ParallelConfig:
             )
         if dp % self.ep:
             raise ConfigError(f"--ep {self.ep} must divide dp = {dp}: expert groups are carved out of data parallelism")
+        if self.sp and self.tp == 1:
+            raise ConfigError("--sp shards activations across the tensor-parallel group: it needs --tp > 1")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.dp_mode not in ("naive", "overlap", "bucket"):
@@ -168,6 +171,8 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
             f"--tp {tp} must divide both the {cfg.model.heads} query heads and the {cfg.model.kv_heads} "
             f"key/value heads: pick a tp that divides {cfg.model.kv_heads}"
         )
+    if parallel.sp and t.seq_len % tp:
+        raise ConfigError(f"--sp splits the sequence over tp = {tp} ranks: --seq-len {t.seq_len} must divide by it")
     if parallel.pp > cfg.model.layers:
         raise ConfigError(f"--pp {parallel.pp} exceeds the model's {cfg.model.layers} layers: lower --pp or add --layers")
     check_implemented(parallel)
@@ -176,7 +181,7 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
 
 # Which parallel sizes the engine runs today. A technique lands by adding itself
 # here and in ultrascale.parallel; until then a size above 1 is refused, never ignored.
-IMPLEMENTED = {"dp": True, "tp": False, "pp": False, "cp": False, "ep": False, "zero": True}
+IMPLEMENTED = {"dp": True, "tp": True, "pp": False, "cp": False, "ep": False, "zero": True}
 
 
 def check_implemented(p: ParallelConfig) -> None:

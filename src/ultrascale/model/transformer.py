@@ -134,7 +134,7 @@ class Transformer(nn.Module):
         embedding) -> logits [b, s, vocab] (or hidden states on a stage without the head).
         positions: the global positions of the s tokens, 0..s-1 by default."""
         x = self.embed(tokens) if self.embed is not None else tokens
-        s = x.shape[1]
+        s = tokens.shape[1]  # not x's: sequence parallelism may hand back a shard of the sequence
         if positions is None:
             cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         else:
@@ -191,12 +191,12 @@ def build_model(cfg: ModelConfig, seed: int, device="cpu", transform=None) -> Tr
         model = Transformer(cfg)
     if transform is not None:
         model = transform(model) or model
-    # to_empty makes new Parameter objects: carry the shard descriptions across.
-    shards = {n: (p.full_shape, p.shard_of_full) for n, p in model.named_parameters() if hasattr(p, "shard_of_full")}
+    # to_empty makes new Parameter objects: carry what the transforms noted on them
+    # (shard descriptions, gradient groups) across.
+    notes = {n: dict(p.__dict__) for n, p in model.named_parameters() if p.__dict__}
     model.to_empty(device=device)
     for n, p in model.named_parameters():
-        if n in shards:
-            p.full_shape, p.shard_of_full = shards[n]
+        p.__dict__.update(notes.get(n, {}))
     model.init_weights(seed)
     return model
 

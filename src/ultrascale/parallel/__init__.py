@@ -3,24 +3,32 @@
 1. `shard_model(ctx, cfg)`: a transform applied to the model on the meta device,
    before any memory is allocated: pipeline split, then tensor parallelism.
 2. recomputation (train/recompute.py) wraps what is left.
-3. `build_grads(params, ctx, cfg)`: who owns the gradients and how they are
+3. `build_grads(model, params, ctx, cfg)`: who owns the gradients and how they are
    reduced across data-parallel ranks (plain, overlapped, bucketed, ZeRO).
-4. `grad_norm_reducer(ctx)`: how the squared gradient norm is summed over ranks
-   that hold different pieces of the model.
+4. `loss_function(ctx, cfg)`: the loss over this rank's logits (vocabulary-sharded under TP).
+5. `grad_norm_reducer(ctx)`: sums the squared gradient norm over the ranks that
+   hold different pieces of the model (tensor and pipeline parallel).
+6. `gather_full(...)`: the full parameters again, for comparisons and export.
 
-Today the engine runs a single process (dp = tp = pp = cp = ep = 1); each
-technique that lands replaces one of these defaults for its sizes, and turns
-itself on in `ultrascale.config.IMPLEMENTED`.
+A technique that is not implemented is refused by `ultrascale.config.IMPLEMENTED`,
+never silently skipped.
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
+from ultrascale.model import cross_entropy_loss
 from ultrascale.train.grads import LocalGrads
 
 
 def shard_model(ctx, cfg):
     """The transform that turns the single-device model into this rank's part of it."""
-    return None
+    if ctx.size("tp") == 1:
+        return None
+    from ultrascale.parallel.tensor import apply_tensor_parallel
+
+    return lambda model: apply_tensor_parallel(model, ctx, sequence_parallel=cfg.parallel.sp)
 
 
 def build_grads(model, params, ctx, cfg):
@@ -32,6 +40,30 @@ def build_grads(model, params, ctx, cfg):
     return build_data_parallel(model, params, ctx, cfg)
 
 
+def loss_function(ctx, cfg):
+    if ctx.size("tp") == 1:
+        return cross_entropy_loss
+    from ultrascale.parallel.tensor import vocab_parallel_loss
+
+    return vocab_parallel_loss(ctx, cfg.model.vocab_size)
+
+
 def grad_norm_reducer(ctx):
     """Sum of squared norms over the ranks whose gradients are different pieces; None: local only."""
-    return None
+    if ctx.size("tp") == 1:
+        return None
+
+    def reduce(sq):
+        dist.all_reduce(sq, group=ctx.group("tp"))
+        return sq
+
+    return reduce
+
+
+def gather_full(params, tensors, ctx):
+    """Full (unsharded) fp32 tensors from this rank's `tensors` of `params`."""
+    if ctx.size("tp") == 1:
+        return tensors
+    from ultrascale.parallel.tensor import gather_tensor_parallel
+
+    return [gather_tensor_parallel(p, t, ctx) for p, t in zip(params, tensors)]

@@ -97,6 +97,7 @@ class ZeroDataParallel(LocalGrads):
     def _make_main(self, dtype: str):
         mixed = dtype != "fp32"
         pieces, main, decay = [], [], []
+        self._piece_owners = []
         for b in self.buckets:
             b.shard = b.shard_range(self.rank, self.world)
             b.param_flat = torch.zeros(b.numel, dtype=DTYPES[dtype], device=b.params[0].device)
@@ -109,6 +110,7 @@ class ZeroDataParallel(LocalGrads):
                     main.append(nn.Parameter(p.detach().flatten()[start - off:end - off].clone()))
                 pieces.append((b, start, end))
                 decay.append(p.ndim >= 2)
+                self._piece_owners.append(p)
             for i, p in enumerate(b.params):
                 p.data = b.view(b.param_flat, i)
             self._place(b)
@@ -217,6 +219,9 @@ class ZeroDataParallel(LocalGrads):
         if self.stage == 1:
             return [b.grad[s:e] for b, s, e in self.main.pieces]
         return [b.grad_shard[s - b.shard[0]:e - b.shard[0]] for b, s, e in self.main.pieces]
+
+    def grad_owners(self):
+        return self._piece_owners
 
     def reduce_norm_sq(self, sq):
         dist.all_reduce(sq, group=self.group)  # each rank holds a different shard

@@ -84,6 +84,7 @@ def assert_matches(c: Comparison, loss_rtol: float = 1e-5, param_atol: float = 1
 def check_against_single(label: str, cfg: RunConfig, world_size: int, loss_rtol=1e-5, param_atol=1e-5,
                          rank_with_state: int = 0) -> Comparison:
     """Run cfg on world_size processes and its single-process control; assert they match."""
+    cfg = validate(cfg, world_size)
     ref = train_single(single_process_config(cfg))
     per_rank = train_parallel(cfg, world_size)
     losses, state, _ = per_rank[rank_with_state]

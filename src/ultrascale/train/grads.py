@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from ultrascale.train.precision import MainParams
 
@@ -39,6 +40,11 @@ class LocalGrads:
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)
 
     def _accumulate(self, p: torch.nn.Parameter) -> None:
+        group = getattr(p, "grad_sum_group", None)
+        if group is not None:
+            # A replicated parameter that each rank of this group saw only part of the
+            # activations of (a norm under sequence parallelism): its gradient is the sum.
+            dist.all_reduce(p.grad, group=group)
         p.main_grad.add_(p.grad)
         p.grad = None
         self.on_grad_ready(p)
@@ -65,6 +71,10 @@ class LocalGrads:
     def grads(self) -> list[torch.Tensor]:
         """The fp32 gradient of each tensor in `main.main`, in the same order."""
         return [p.main_grad for p in self.params]
+
+    def grad_owners(self) -> list[torch.nn.Parameter]:
+        """The parameter each entry of grads() belongs to (a ZeRO piece belongs to one parameter)."""
+        return self.params
 
     def reduce_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
         """Sum a squared gradient norm over ranks holding different pieces (ZeRO shards)."""

@@ -31,15 +31,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, reduce_sq=None) -> float:
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, reduce_sq=None, shares=None) -> float:
     """Scale gradients so their global L2 norm is at most max_norm; return the norm before clipping.
 
     reduce_sq sums the squared norm over the ranks that hold different pieces of
-    the gradients (tensor, pipeline and ZeRO shards): each technique provides it.
+    the gradients (tensor, pipeline and ZeRO shards). shares[i] weighs gradient
+    i's contribution: a tensor replicated on t ranks that all take part in the
+    sum counts 1/t on each, so it counts once in all.
     """
     sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for g in grads:
-        sq += g.float().pow(2).sum()
+    for i, g in enumerate(grads):
+        part = g.float().pow(2).sum()
+        sq += part if shares is None else part * shares[i]
     if reduce_sq is not None:
         sq = reduce_sq(sq)
     norm = sq.sqrt().item()

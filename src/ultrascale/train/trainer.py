@@ -20,7 +20,7 @@ import torch
 from ultrascale import parallel
 from ultrascale.config import RunConfig
 from ultrascale.distributed.context import ParallelContext
-from ultrascale.model import build_model, cross_entropy_loss, flops_per_token
+from ultrascale.model import build_model, flops_per_token
 from ultrascale.train import checkpoint
 from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_tflops, storage_bytes
@@ -57,6 +57,8 @@ class Trainer:
         self.grads = parallel.build_grads(self.model, params, ctx, cfg)
         self.main = self.grads.main
         self.model_parallel_sq = parallel.grad_norm_reducer(ctx)
+        self.norm_shares = [getattr(p, "grad_norm_share", 1.0) for p in self.grads.grad_owners()]
+        self.loss_fn = parallel.loss_function(ctx, cfg)
         self.opt = build_adamw(self.main.main, self.main.decay, t)
         self.meter = ActivationMeter(list(self.model.parameters()) + list(self.model.buffers()))
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
@@ -75,7 +77,7 @@ class Trainer:
             measure = self.meter.forward() if self.cfg.train.measure_activations else contextlib.nullcontext()
             with sync:
                 with measure:
-                    loss = cross_entropy_loss(self.model(inputs), targets)
+                    loss = self.loss_fn(self.model(inputs), targets)
                 (loss / n).backward()
             total += loss.detach()
         return (total / n).item()
@@ -88,7 +90,7 @@ class Trainer:
         loss = self.forward_backward(micro_batches)
         self.grads.finish()
         grads = self.grads.grads()
-        grad_norm = clip_grad_norm_(grads, t.grad_clip, self._reduce_norm_sq)
+        grad_norm = clip_grad_norm_(grads, t.grad_clip, self._reduce_norm_sq, self.norm_shares)
         lr = lr_at(self.step, t)
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -148,7 +150,8 @@ class Trainer:
 
     def full_state_dict(self) -> dict:
         """The fp32 parameters under their single-device names, on the CPU."""
-        return {n: t.cpu().clone() for n, t in zip(self.names, self.grads.full_params())}
+        full = parallel.gather_full(self.grads.params, self.grads.full_params(), self.ctx)
+        return {n: t.cpu().clone() for n, t in zip(self.names, full)}
 
     # -- checkpoints --------------------------------------------------------
     def save(self, path: str) -> None:
