@@ -27,11 +27,11 @@ class Comparison:
     steps: int
     max_loss_rel: float
     max_param_abs: float
-    max_param_rel: float  # max |a - b| over max |b|, per tensor
+    max_param_rel_l2: float  # max over tensors of ||a - b|| / ||b||
 
     def line(self) -> str:
         return (f"{self.label}: {self.steps} steps, max loss rel diff {self.max_loss_rel:.2e}, "
-                f"max param abs diff {self.max_param_abs:.2e} (rel {self.max_param_rel:.2e})")
+                f"max param abs diff {self.max_param_abs:.2e}, max tensor rel L2 diff {self.max_param_rel_l2:.2e}")
 
 
 def single_process_config(cfg: RunConfig) -> RunConfig:
@@ -62,26 +62,34 @@ def train_parallel(cfg: RunConfig, world_size: int, timeout: float = 300):
     return run_distributed(world_size, _train_on_worker, cfg, timeout=timeout)
 
 
-def compare(label: str, ref_losses, ref_state, losses, state) -> Comparison:
+def compare(label: str, ref_losses, ref_state, losses, state, record: bool = True) -> Comparison:
     assert len(losses) == len(ref_losses), f"{label}: {len(losses)} steps vs {len(ref_losses)}"
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     assert ref_state.keys() == state.keys(), f"{label}: parameter names differ: {ref_state.keys() ^ state.keys()}"
-    abs_diff = rel_diff = 0.0
+    abs_diff = rel_l2 = 0.0
     for name, ref in ref_state.items():
-        d = (state[name].float() - ref.float()).abs().max().item()
-        abs_diff = max(abs_diff, d)
-        rel_diff = max(rel_diff, d / max(ref.abs().max().item(), 1e-12))
-    c = Comparison(label, len(losses), loss_rel, abs_diff, rel_diff)
-    REPORT.append(c.line())
+        diff = state[name].float() - ref.float()
+        abs_diff = max(abs_diff, diff.abs().max().item())
+        rel_l2 = max(rel_l2, (diff.norm() / ref.float().norm().clamp_min(1e-12)).item())
+    c = Comparison(label, len(losses), loss_rel, abs_diff, rel_l2)
+    if record:
+        REPORT.append(c.line())
     return c
 
 
-def assert_matches(c: Comparison, loss_rtol: float = 1e-5, param_atol: float = 1e-5) -> None:
+# Parameters after a few AdamW steps: a gradient element near zero gets an update
+# of about lr * sign(g), so a rounding difference of 1e-7 in such an element can
+# move it by ~1e-5 while the rest agrees to ~1e-6. A real error (a wrong shard, a
+# sum instead of a mean) moves elements by ~lr = 1e-3, a hundred times more.
+PARAM_ATOL = 2e-5
+
+
+def assert_matches(c: Comparison, loss_rtol: float = 1e-5, param_atol: float = PARAM_ATOL) -> None:
     assert c.max_loss_rel <= loss_rtol and c.max_param_abs <= param_atol, (
         f"{c.line()} exceeds loss rtol {loss_rtol:g} / param atol {param_atol:g}")
 
 
-def check_against_single(label: str, cfg: RunConfig, world_size: int, loss_rtol=1e-5, param_atol=1e-5,
+def check_against_single(label: str, cfg: RunConfig, world_size: int, loss_rtol=1e-5, param_atol=PARAM_ATOL,
                          rank_with_state: int = 0) -> Comparison:
     """Run cfg on world_size processes and its single-process control; assert they match."""
     cfg = validate(cfg, world_size)
