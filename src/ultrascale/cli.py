@@ -28,6 +28,8 @@ TRAIN_FLAGS = [
     ("--pp", "parallel", "pp", int, "pipeline-parallel size"),
     ("--cp", "parallel", "cp", int, "context-parallel size"),
     ("--ep", "parallel", "ep", int, "expert-parallel size"),
+    ("--pp-schedule", "parallel", "pp_schedule", str, "naive, afab, 1f1b, interleaved or zero-bubble"),
+    ("--pp-chunks", "parallel", "pp_chunks", int, "model chunks per pipeline rank (interleaved)"),
     ("--sp", "parallel", "sp", bool, "sequence parallelism within the tensor-parallel group"),
     ("--zero", "parallel", "zero", int, "ZeRO stage 0-3 (1: optimizer states, 2: + gradients, 3: + parameters)"),
     ("--dp-mode", "parallel", "dp_mode", str, "data parallelism: naive, overlap or bucket"),

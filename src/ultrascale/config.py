@@ -38,6 +38,8 @@ class ParallelConfig:
     ep: int = 1
     zero: int = 0
     sp: bool = False  # sequence parallelism: shard norms and residuals along the sequence in the TP group
+    pp_schedule: str = "1f1b"  # naive | afab | 1f1b | interleaved | zero-bubble
+    pp_chunks: int = 1  # model chunks per pipeline rank (interleaved schedule)
     # Data parallelism, in the playbook's steps: naive | overlap | bucket.
     dp_mode: str = "bucket"
     bucket_mb: float = 25.0  # PyTorch DDP's default bucket_cap_mb
@@ -173,15 +175,40 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         )
     if parallel.sp and t.seq_len % tp:
         raise ConfigError(f"--sp splits the sequence over tp = {tp} ranks: --seq-len {t.seq_len} must divide by it")
-    if parallel.pp > cfg.model.layers:
-        raise ConfigError(f"--pp {parallel.pp} exceeds the model's {cfg.model.layers} layers: lower --pp or add --layers")
+    check_pipeline(cfg, parallel)
     check_implemented(parallel)
     return replace(cfg, parallel=parallel)
 
 
+def check_pipeline(cfg: RunConfig, parallel: ParallelConfig) -> None:
+    from ultrascale.parallel.pipeline.schedules import SCHEDULES
+
+    pp, v, m = parallel.pp, parallel.pp_chunks, cfg.train.grad_accum
+    if parallel.pp_schedule not in SCHEDULES:
+        raise ConfigError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {parallel.pp_schedule!r}")
+    if v < 1:
+        raise ConfigError(f"--pp-chunks must be positive, got {v}")
+    if v > 1 and parallel.pp_schedule != "interleaved":
+        raise ConfigError(f"--pp-chunks {v} needs --pp-schedule interleaved")
+    if pp * v > cfg.model.layers:
+        raise ConfigError(f"--pp {pp} x --pp-chunks {v} = {pp * v} stages but the model has {cfg.model.layers} "
+                          f"layers: lower --pp or --pp-chunks, or add --layers")
+    if pp == 1:
+        return
+    if parallel.pp_schedule == "interleaved" and m % pp:
+        raise ConfigError(f"the interleaved schedule takes micro-batches in groups of pp = {pp}: "
+                          f"make --grad-accum (the micro-batches) a multiple of {pp}")
+    if parallel.zero >= 2:
+        raise ConfigError(f"--zero {parallel.zero} with --pp: stage {parallel.zero} would re-shard every "
+                          f"micro-batch; pipeline parallelism composes with --zero 1")
+    if cfg.model.tie_embeddings:
+        raise ConfigError("tied embeddings with --pp: the first and last stages would share one matrix; "
+                          "use an untied model")
+
+
 # Which parallel sizes the engine runs today. A technique lands by adding itself
 # here and in ultrascale.parallel; until then a size above 1 is refused, never ignored.
-IMPLEMENTED = {"dp": True, "tp": True, "pp": False, "cp": False, "ep": False, "zero": True}
+IMPLEMENTED = {"dp": True, "tp": True, "pp": True, "cp": False, "ep": False, "zero": True}
 
 
 def check_implemented(p: ParallelConfig) -> None:

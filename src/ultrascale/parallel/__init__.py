@@ -8,7 +8,9 @@
 4. `loss_function(ctx, cfg)`: the loss over this rank's logits (vocabulary-sharded under TP).
 5. `grad_norm_reducer(ctx)`: sums the squared gradient norm over the ranks that
    hold different pieces of the model (tensor and pipeline parallel).
-6. `gather_full(...)`: the full parameters again, for comparisons and export.
+6. `pipeline_runtime(...)`: under pipeline parallelism, the schedule replaces the
+   trainer's loop over micro-batches.
+7. `full_state(...)`: the full parameters again, for comparisons and export.
 
 A technique that is not implemented is refused by `ultrascale.config.IMPLEMENTED`,
 never silently skipped.
@@ -23,12 +25,38 @@ from ultrascale.train.grads import LocalGrads
 
 
 def shard_model(ctx, cfg):
-    """The transform that turns the single-device model into this rank's part of it."""
-    if ctx.size("tp") == 1:
-        return None
-    from ultrascale.parallel.tensor import apply_tensor_parallel
+    """The transform that turns the single-device model into this rank's part of it:
+    first the pipeline split (keep this rank's layers), then tensor parallelism."""
+    steps = []
+    if ctx.size("pp") > 1:
+        from ultrascale.parallel.pipeline.stage import keep_stages, make_linears_deferrable
 
-    return lambda model: apply_tensor_parallel(model, ctx, sequence_parallel=cfg.parallel.sp)
+        p, v = ctx.size("pp"), cfg.parallel.pp_chunks
+        steps.append(lambda model: keep_stages(model, ctx.index("pp"), p, v))
+        if cfg.parallel.pp_schedule == "zero-bubble":
+            steps.append(make_linears_deferrable)
+    if ctx.size("tp") > 1:
+        from ultrascale.parallel.tensor import apply_tensor_parallel
+
+        steps.append(lambda model: apply_tensor_parallel(model, ctx, sequence_parallel=cfg.parallel.sp))
+    if not steps:
+        return None
+
+    def transform(model):
+        for step in steps:
+            model = step(model) or model
+        return model
+
+    return transform
+
+
+def pipeline_runtime(model, ctx, cfg, grads, loss_fn, meter):
+    """The executor of this rank's pipeline schedule, or None without pipeline parallelism."""
+    if ctx.size("pp") == 1:
+        return None
+    from ultrascale.parallel.pipeline.runtime import PipelineRuntime
+
+    return PipelineRuntime(model, ctx, cfg, grads, loss_fn, meter)
 
 
 def build_grads(model, params, ctx, cfg):
@@ -49,21 +77,30 @@ def loss_function(ctx, cfg):
 
 
 def grad_norm_reducer(ctx):
-    """Sum of squared norms over the ranks whose gradients are different pieces; None: local only."""
-    if ctx.size("tp") == 1:
+    """Sum of squared norms over the ranks whose gradients are different pieces
+    (tensor shards, pipeline stages); None when this rank has them all."""
+    groups = [ctx.group(name) for name in ("tp", "pp") if ctx.size(name) > 1]
+    if not groups:
         return None
 
     def reduce(sq):
-        dist.all_reduce(sq, group=ctx.group("tp"))
+        for g in groups:
+            dist.all_reduce(sq, group=g)
         return sq
 
     return reduce
 
 
-def gather_full(params, tensors, ctx):
-    """Full (unsharded) fp32 tensors from this rank's `tensors` of `params`."""
-    if ctx.size("tp") == 1:
-        return tensors
-    from ultrascale.parallel.tensor import gather_tensor_parallel
+def full_state(names, params, tensors, ctx) -> dict:
+    """{single-device name: full fp32 tensor} from this rank's `tensors` of `params`:
+    tensor-parallel shards gathered, pipeline stages merged."""
+    if ctx.size("tp") > 1:
+        from ultrascale.parallel.tensor import gather_tensor_parallel
 
-    return [gather_tensor_parallel(p, t, ctx) for p, t in zip(params, tensors)]
+        tensors = [gather_tensor_parallel(p, t, ctx) for p, t in zip(params, tensors)]
+    state = {n: t.cpu() for n, t in zip(names, tensors)}
+    if ctx.size("pp") > 1:
+        stages = [None] * ctx.size("pp")
+        dist.all_gather_object(stages, state, group=ctx.group("pp"))
+        state = {n: t for stage in stages for n, t in stage.items()}
+    return state

@@ -40,6 +40,8 @@ class LocalGrads:
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)
 
     def _accumulate(self, p: torch.nn.Parameter) -> None:
+        if p.grad is None:
+            return  # a backward that left this weight's gradient for later (zero-bubble's I pass)
         group = getattr(p, "grad_sum_group", None)
         if group is not None:
             # A replicated parameter that each rank of this group saw only part of the
@@ -96,4 +98,4 @@ class LocalGrads:
 
     def full_params(self) -> list[torch.Tensor]:
         """Every parameter in full, fp32, on every rank (for comparisons and export)."""
-        return [m.detach().float() for m in self.main.main]
+        return [m.detach().float().clone() for m in self.main.main]

@@ -61,6 +61,7 @@ class Trainer:
         self.loss_fn = parallel.loss_function(ctx, cfg)
         self.opt = build_adamw(self.main.main, self.main.decay, t)
         self.meter = ActivationMeter(list(self.model.parameters()) + list(self.model.buffers()))
+        self.pipeline = parallel.pipeline_runtime(self.model, ctx, cfg, self.grads, self.loss_fn, self.meter)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak = peak_tflops(ctx.device, t.dtype)
         self.step = 0
@@ -70,6 +71,8 @@ class Trainer:
     # -- one step -----------------------------------------------------------
     def forward_backward(self, micro_batches) -> float:
         """Run every micro-batch; return the mean loss of this rank's micro-batches."""
+        if self.pipeline is not None:
+            return self.pipeline.run(micro_batches)
         n = len(micro_batches)
         total = torch.zeros((), device=self.ctx.device)
         for j, (inputs, targets) in enumerate(micro_batches):
@@ -150,8 +153,7 @@ class Trainer:
 
     def full_state_dict(self) -> dict:
         """The fp32 parameters under their single-device names, on the CPU."""
-        full = parallel.gather_full(self.grads.params, self.grads.full_params(), self.ctx)
-        return {n: t.cpu().clone() for n, t in zip(self.names, full)}
+        return parallel.full_state(self.names, self.grads.params, self.grads.full_params(), self.ctx)
 
     # -- checkpoints --------------------------------------------------------
     def save(self, path: str) -> None:

@@ -1,0 +1,141 @@
+"""Execute a schedule's action list on this pipeline rank, exactly as simulated.
+
+Activations and their gradients move between neighbouring ranks point to point
+(send is asynchronous, receive waits); each message is tagged with its kind,
+micro-batch and chunk, so a forward activation can never be taken for a
+gradient even when both travel between the same two ranks (interleaving wraps
+around from the last rank to the first). Every action's start and end are
+recorded, so a real step can be drawn like a simulated one.
+
+Gradients: every backward runs inside the gradient owner's `no_sync()` except
+the last one of each chunk (for zero-bubble: its last I and last W), so data
+parallelism reduces once per optimizer step, after the last backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from ultrascale.parallel.pipeline.schedules import schedule, stage_of
+from ultrascale.parallel.pipeline.stage import (
+    StageChunk,
+    WeightGradStore,
+    apply_weight_grads,
+    split_layers,
+    virtual_stages,
+)
+
+
+class PipelineRuntime:
+    def __init__(self, model, ctx, cfg, grads, loss_fn, meter):
+        pc, t = cfg.parallel, cfg.train
+        self.ctx, self.grads, self.loss_fn, self.meter = ctx, grads, loss_fn, meter
+        self.p, self.v, self.rank = ctx.size("pp"), pc.pp_chunks, ctx.index("pp")
+        self.m, self.seq_len = t.grad_accum, t.seq_len
+        self.measure = t.measure_activations
+        ranks = ctx.group_ranks["pp"]
+        self.prev, self.next = ranks[(self.rank - 1) % self.p], ranks[(self.rank + 1) % self.p]
+        self.last_rank = ranks[-1]
+        layers = split_layers(cfg.model.layers, self.p * self.v)
+        last = self.p * self.v - 1
+        self.chunks = [StageChunk(model, layers[s], s == 0, s == last)
+                       for s in virtual_stages(self.rank, self.p, self.v)]
+        self.actions = schedule(pc.pp_schedule, self.p, self.m, self.v)[self.rank]
+        self.synced = self._last_backwards()
+        local_seq = t.seq_len // ctx.size("tp") if pc.sp else t.seq_len
+        self.shape = (t.micro_batch, local_seq, cfg.model.hidden)
+        self.dtype = next(model.parameters()).dtype
+        self.trace: list = []
+        self.weight_grads: dict = {}  # zero-bubble: what each I left for its W
+
+    def _last_backwards(self) -> set:
+        """Indices of the actions that must communicate gradients: the last backward of each chunk."""
+        last = {}
+        for i, a in enumerate(self.actions):
+            if a.kind in ("B", "I", "W"):
+                last[(a.kind in ("W",), a.chunk)] = i
+        return set(last.values())
+
+    def _tag(self, micro: int, dest_stage: int, kind: str) -> int:
+        """Named by where the message goes, so sender and receiver agree even across the
+        wrap from the last rank's chunk c to the first rank's chunk c + 1."""
+        return ((micro * self.p * self.v + dest_stage) * 2 + (kind == "B")) + 1
+
+    def run(self, micro_batches) -> float:
+        """Forward and backward of every micro-batch; returns the mean loss (on every pipeline rank)."""
+        inputs, outputs, losses, sends, recv_grad = {}, {}, {}, [], {}
+        held, in_flight, peak = {}, 0, 0
+        self.trace = []
+        t0 = time.perf_counter()
+        for i, a in enumerate(self.actions):
+            start = time.perf_counter()
+            key, stage = (a.micro, a.chunk), stage_of(self.rank, a.chunk, self.p)
+            if a.kind == "RECV_F":
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.ctx.device)
+                dist.recv(buf, src=self.prev, tag=self._tag(a.micro, stage, "F"))
+                inputs[key] = buf.requires_grad_()
+            elif a.kind == "RECV_B":
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.ctx.device)
+                dist.recv(buf, src=self.next, tag=self._tag(a.micro, stage, "B"))
+                recv_grad[key] = buf
+            elif a.kind == "SEND_F":
+                out = outputs[key].detach()
+                sends.append((dist.isend(out, dst=self.next, tag=self._tag(a.micro, stage + 1, "F")), out))
+            elif a.kind == "SEND_B":
+                grad = inputs.pop(key).grad
+                sends.append((dist.isend(grad, dst=self.prev, tag=self._tag(a.micro, stage - 1, "B")), grad))
+            elif a.kind == "F":
+                chunk = self.chunks[a.chunk]
+                x = micro_batches[a.micro][0] if chunk.first else inputs[key]
+                with self.meter.forward() if self.measure else contextlib.nullcontext():
+                    out = chunk(x, self.seq_len)
+                    if chunk.last:
+                        loss = self.loss_fn(out, micro_batches[a.micro][1])
+                        losses[key] = loss.detach()
+                        out = loss / self.m  # the sum over micro-batches is the global-batch mean
+                outputs[key] = out
+                if self.measure:
+                    held[key] = sum(self.meter.saved.values())
+                    in_flight += held[key]
+                    peak = max(peak, in_flight)
+            else:  # B, I, W
+                sync = contextlib.nullcontext() if i in self.synced else self.grads.no_sync()
+                with sync:
+                    self._backward(a, outputs, recv_grad)
+                if a.kind in ("B", "I") and key in held:
+                    in_flight -= held.pop(key)
+            self.trace.append((repr(a), a.kind, start - t0, time.perf_counter() - t0))
+        for work, _ in sends:
+            work.wait()
+        if self.measure:
+            self.meter.peak = max(self.meter.peak, peak)
+        return self._mean_loss(losses)
+
+    def _backward(self, a, outputs, recv_grad) -> None:
+        key = (a.micro, a.chunk)
+        if a.kind == "W":
+            apply_weight_grads(self.weight_grads.pop(key))
+            return
+        out = outputs.pop(key)
+        grad = recv_grad.pop(key, None)  # None on the last stage: `out` is the loss
+        WeightGradStore.deferring = a.kind == "I"
+        try:
+            torch.autograd.backward(out, grad)
+        finally:
+            WeightGradStore.deferring = False
+        if a.kind == "I":
+            self.weight_grads[key] = WeightGradStore.flush()
+
+    def _mean_loss(self, losses) -> float:
+        """The last stage has the losses; every pipeline rank gets their mean."""
+        device = self.ctx.device if self.ctx.backend == "nccl" else "cpu"
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        if losses:
+            total += sum(loss.double().to(device) for loss in losses.values()) / self.m
+        if self.p > 1:
+            dist.broadcast(total, src=self.last_rank, group=self.ctx.group("pp"))
+        return total.item()
