@@ -57,6 +57,7 @@ TRAIN_FLAGS = [
     ("--resume", "train", "resume", str, "checkpoint directory to continue from"),
     ("--log-jsonl", "train", "log_jsonl", str, "write one JSON object per step to this file"),
     ("--log-every", "train", "log_every", int, "print a line every N steps"),
+    ("--pp-trace", "train", "pp_trace", str, "write the last step's pipeline timeline (draw it with pp-schedule --trace)"),
     ("--device", "train", "device", str, "auto, cpu or cuda"),
     ("--nproc", "train", "nproc", int, "spawn this many local processes (or use torchrun)"),
 ]
@@ -148,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_train(sub)
     # Each further command registers itself here with its module's add_parser(sub).
+    from ultrascale.parallel.pipeline.cli import add_parser as add_pp_schedule; add_pp_schedule(sub)  # noqa: E702
     return parser
 
 

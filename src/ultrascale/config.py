@@ -116,6 +116,7 @@ class TrainConfig:
     save_every: int = 0
     resume: str = ""
     log_jsonl: str = ""
+    pp_trace: str = ""  # write the last step's pipeline timeline here (JSON)
     log_every: int = 1
     device: str = "auto"  # auto | cpu | cuda
     nproc: int = 1

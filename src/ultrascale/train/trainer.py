@@ -148,6 +148,8 @@ class Trainer:
             log.close()
         if t.save:
             self.save(t.save)
+        if t.pp_trace and self.pipeline is not None:
+            self.pipeline.write_trace(t.pp_trace, self.cfg.parallel.pp_schedule)
         result.state = self.full_state_dict()
         return result
 

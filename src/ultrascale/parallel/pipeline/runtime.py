@@ -139,3 +139,13 @@ class PipelineRuntime:
         if self.p > 1:
             dist.broadcast(total, src=self.last_rank, group=self.ctx.group("pp"))
         return total.item()
+
+    def write_trace(self, path: str, schedule_name: str) -> None:
+        """Write the last step's recorded timeline of every pipeline rank (JSON, for `pp-schedule --trace`)."""
+        from ultrascale.parallel.pipeline.draw import write_trace
+
+        ranks = [None] * self.p
+        dist.all_gather_object(ranks, self.trace, group=self.ctx.group("pp"))
+        if self.ctx.is_logging_rank:
+            # Ranks' clocks start at their own step start; they begin the step together (after the optimizer step).
+            write_trace(path, schedule_name, self.p, self.v, [[tuple(x) for x in r] for r in ranks])

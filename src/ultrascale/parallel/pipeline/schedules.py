@@ -62,9 +62,12 @@ def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
     The previous stage waits only for I, so the backward chain carries t_b
     instead of t_b + t_w, and W passes fill the time a rank would otherwise wait.
     The order is found by playing the pipeline with unit costs: at each tick an
-    idle rank runs, by priority, an I whose gradient has arrived, else a forward
-    (keeping at most p - rank micro-batches in flight, the 1F1B memory), else a
-    waiting W. Bubble (p-1)(t_f + t_b - t_w): a third of 1F1B's when all are equal.
+    idle rank runs, by priority, a W if p-1 are already waiting, else an I whose
+    gradient has arrived, else a forward (at most p - rank micro-batches between
+    their forward and their I, as in 1F1B), else a waiting W.
+    Bubble (p-1)(t_f + t_b - t_w): a third of 1F1B's when all are equal (m >= p).
+    Memory: full activations for at most p - rank micro-batches, as 1F1B, plus the
+    layer inputs that at most p-1 waiting W passes still need.
     """
     done: dict[tuple, int] = {}  # (kind, micro, rank) -> tick it finished
     acts = [[] for _ in range(p)]
@@ -76,7 +79,9 @@ def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
                 return done.get((kind, k, src), tick + 1) <= tick
 
             k_i, k_f = next_i[r], next_f[r]
-            if k_i < k_f and (ready("I", k_i, r + 1) if r < p - 1 else ready("F", k_i, r)):
+            if len(waiting_w[r]) > p - 1:
+                a = Action("W", waiting_w[r].pop(0))  # at most p-1 W passes wait on a rank
+            elif k_i < k_f and (ready("I", k_i, r + 1) if r < p - 1 else ready("F", k_i, r)):
                 a, next_i[r] = Action("I", k_i), k_i + 1
                 waiting_w[r].append(k_i)
             elif k_f < m and k_f - k_i < p - r and (r == 0 or ready("F", k_f, r - 1)):

@@ -38,13 +38,14 @@ class Timeline:
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """Most micro-batches whose forward is done and whose input-gradient pass is not."""
+    """Most micro-batches whose forward is done and whose activations are not yet freed:
+    by B, or, when the backward is split, by W (the weight gradients need the layer inputs)."""
     held, peak = set(), 0
     for a in actions:
         if a.kind == "F":
             held.add((a.micro, a.chunk))
             peak = max(peak, len(held))
-        elif a.kind in ("B", "I"):
+        elif a.kind in ("B", "W"):
             held.discard((a.micro, a.chunk))
     return peak
 

@@ -1,0 +1,60 @@
+"""`ultrascale pp-schedule`: print and draw a pipeline schedule, simulated or recorded."""
+
+from __future__ import annotations
+
+import os
+
+from ultrascale.config import ConfigError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("pp-schedule", help="simulate and draw a pipeline schedule (or a recorded one)")
+    p.add_argument("--schedule", default="1f1b", help="naive, afab, 1f1b, interleaved or zero-bubble")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
+    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step")
+    p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
+    p.add_argument("--t-f", type=float, default=1.0, help="forward time of one chunk")
+    p.add_argument("--t-b", type=float, default=1.0, help="input-gradient time of one chunk")
+    p.add_argument("--t-w", type=float, default=1.0, help="weight-gradient time of one chunk")
+    p.add_argument("--t-comm", type=float, default=0.0, help="time of one point-to-point message")
+    p.add_argument("--trace", help="draw a timeline recorded by `ultrascale train --pp-trace FILE` instead")
+    p.add_argument("--actions", action="store_true", help="print every rank's action list")
+    p.add_argument("--out", help="write the Gantt chart to this PNG file")
+    p.set_defaults(func=cmd_pp_schedule)
+
+
+def cmd_pp_schedule(args) -> int:
+    from ultrascale.parallel.pipeline import draw
+
+    if args.trace:
+        if not os.path.isfile(args.trace):
+            raise ConfigError(f"--trace {args.trace}: no such file; write one with `ultrascale train --pp-trace FILE`")
+        trace = draw.read_trace(args.trace)
+        spans = [[(x["action"], x["kind"], x["start"], x["end"]) for x in rank] for rank in trace["ranks"]]
+        ratio = draw.measured_bubble_ratio(spans)
+        name, p, v = trace["schedule"], trace["pp"], trace["chunks"]
+        print(f"recorded {name}: pp {p}, chunks {v}: measured bubble ratio {ratio:.4f}")
+        title = f"{name}, pp={p}" + (f", v={v}" if v > 1 else "") + f": measured bubble {ratio:.3f}"
+    else:
+        from ultrascale.parallel.pipeline.schedules import build, with_communication
+        from ultrascale.parallel.pipeline.simulate import simulate
+
+        p, m, v = args.pp, args.micro_batches, args.chunks
+        try:
+            actions = with_communication(build(args.schedule, p, m, v), p, v)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        tl = simulate(actions, p, v, args.t_f, args.t_b, args.t_w, args.t_comm)
+        print(f"{args.schedule}: pp {p}, micro-batches {m}, chunks {v}")
+        print(f"bubble ratio {tl.bubble_ratio:.4f} (bubble time {tl.bubble_time:g}, step time {tl.makespan:g})")
+        print(f"peak in-flight micro-batches per rank: {tl.peak_in_flight}")
+        if args.actions:
+            for r, acts in enumerate(actions):
+                print(f"rank {r}: " + " ".join(map(repr, acts)))
+        spans = draw.spans_from_timeline(tl)
+        title = (f"{args.schedule}, pp={p}, m={m}" + (f", v={v}" if v > 1 else "")
+                 + f": bubble {tl.bubble_ratio:.3f}")
+    if args.out:
+        draw.draw(spans, title, args.out)
+        print(f"wrote {args.out}")
+    return 0
