@@ -46,6 +46,18 @@ def test_matches_the_single_process_run(mode, zero, world, grad_accum):
     assert_matches(c, loss_rtol=1e-5, param_atol=1e-5)
 
 
+@pytest.mark.parametrize("zero,recompute", [(3, "full"), (3, "selective"), (2, "full")])
+def test_zero_composes_with_recomputation(zero, recompute):
+    # Under full recomputation ZeRO-3 re-runs a block's forward inside backward: its
+    # parameters must be gathered by then (the pre-backward hook), not by the forward hook.
+    ref = reference(2, 2)
+    cfg = config(2, 2, "bucket", zero)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute=recompute))
+    losses, state, _ = train_parallel(cfg, 2)[0]
+    assert_matches(compare(f"zero {zero} + recompute {recompute}, 2 ranks", ref.losses, ref.state, losses, state),
+                   loss_rtol=1e-5, param_atol=1e-5)
+
+
 def test_every_rank_ends_with_the_same_parameters():
     per_rank = train_parallel(config(4, 1, "bucket", 3), 4)
     for losses, state, _ in per_rank[1:]:

@@ -34,6 +34,7 @@ LAYOUTS = [  # (world, tp, sp, zero, tied)
     (4, 4, False, 0, False), (4, 4, True, 0, True),
     (4, 2, False, 0, False), (4, 2, True, 0, False),  # dp 2 x tp 2
     (4, 2, True, 1, True), (4, 2, False, 1, False),  # dp 2 x tp 2 with ZeRO-1
+    (4, 2, True, 3, False),  # and ZeRO-3: units gathered within each TP shard
 ]
 
 
