@@ -67,7 +67,7 @@ BAD = [
     (["--resume", "/no/such/dir"], "no such checkpoint"),
     (["--config", "/no/such.toml"], "no such file"),
     (["--zero", "2"], "nothing to shard"),
-    (["--nproc", "2", "--tp", "2"], "not implemented yet"),
+    (["--nproc", "2", "--cp", "2"], "not implemented yet"),
     (["--nproc", "2", "--bucket-mb", "0"], "--bucket-mb must be positive"),
     (["--nproc", "2", "--dp-mode", "naive", "--zero", "1"], "built on bucketed data parallelism"),
     (["--nproc", "2", "--dp-mode", "ring"], "--dp-mode must be"),

@@ -18,10 +18,7 @@ never silently skipped.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
-from ultrascale.model import cross_entropy_loss
-from ultrascale.train.grads import LocalGrads
+# Imports stay inside the functions: the CLI reads this package (pp-schedule) without paying for torch.
 
 
 def shard_model(ctx, cfg):
@@ -62,6 +59,8 @@ def pipeline_runtime(model, ctx, cfg, grads, loss_fn, meter):
 def build_grads(model, params, ctx, cfg):
     """The gradient owner for this layout: plain, or a data-parallel mode, or ZeRO."""
     if ctx.size("dp_cp") == 1:
+        from ultrascale.train.grads import LocalGrads
+
         return LocalGrads(params, cfg.train.dtype)
     from ultrascale.parallel.data_parallel import build_data_parallel
 
@@ -70,6 +69,8 @@ def build_grads(model, params, ctx, cfg):
 
 def loss_function(ctx, cfg):
     if ctx.size("tp") == 1:
+        from ultrascale.model import cross_entropy_loss
+
         return cross_entropy_loss
     from ultrascale.parallel.tensor import vocab_parallel_loss
 
@@ -79,6 +80,8 @@ def loss_function(ctx, cfg):
 def grad_norm_reducer(ctx):
     """Sum of squared norms over the ranks whose gradients are different pieces
     (tensor shards, pipeline stages); None when this rank has them all."""
+    import torch.distributed as dist
+
     groups = [ctx.group(name) for name in ("tp", "pp") if ctx.size(name) > 1]
     if not groups:
         return None
@@ -100,6 +103,8 @@ def full_state(names, params, tensors, ctx) -> dict:
         tensors = [gather_tensor_parallel(p, t, ctx) for p, t in zip(params, tensors)]
     state = {n: t.cpu() for n, t in zip(names, tensors)}
     if ctx.size("pp") > 1:
+        import torch.distributed as dist
+
         stages = [None] * ctx.size("pp")
         dist.all_gather_object(stages, state, group=ctx.group("pp"))
         state = {n: t for stage in stages for n, t in stage.items()}

@@ -144,6 +144,7 @@ class ZeroDataParallel(LocalGrads):
             else:
                 b.grad = None  # the full buffer exists only during backward
                 b.grad_shard = torch.zeros(b.shard[1] - b.shard[0], dtype=torch.float32, device=device)
+                b.shard_fresh = False
 
     def _reset(self) -> None:
         self._ready = [0] * len(self.buckets)
@@ -154,7 +155,9 @@ class ZeroDataParallel(LocalGrads):
         b = self._bucket_of[p]
         if self.stage >= 2:
             if b.grad is None:
-                b.grad = torch.zeros(b.numel, dtype=torch.float32, device=p.device)
+                # Not zero-filled: each parameter's first gradient is copied in (see below).
+                b.grad = torch.empty(b.numel, dtype=torch.float32, device=p.device)
+                b.written = set()
                 for i, q in enumerate(b.params):
                     q.main_grad = b.view(b.grad, i)
             if not self._callback_queued:
@@ -162,6 +165,16 @@ class ZeroDataParallel(LocalGrads):
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
                 self._callback_queued = True
         super()._accumulate(p)
+
+    def _add_into_main_grad(self, p) -> None:
+        if self.stage == 1:
+            return super()._add_into_main_grad(p)
+        b = self._bucket_of[p]
+        if p in b.written:
+            p.main_grad.add_(p.grad)
+        else:
+            p.main_grad.copy_(p.grad)
+            b.written.add(p)
 
     def on_grad_ready(self, p) -> None:
         if not self._sync and self.stage == 1:
@@ -173,14 +186,28 @@ class ZeroDataParallel(LocalGrads):
             self._next += 1
 
     def _launch(self, b) -> None:
-        b.grad.div_(self.world)
         lo, hi = b.shard
-        # ZeRO-1 reduces in place: this rank's slice of the bucket receives the average of that slice.
-        out = b.grad[lo:hi] if self.stage == 1 else torch.empty(hi - lo, dtype=torch.float32, device=b.grad.device)
+        if self.stage == 1:
+            out = b.grad[lo:hi]  # in place: this rank's slice of the bucket receives the average of that slice
+        else:
+            self._fill_unwritten(b)
+            if b.shard_fresh:  # first reduction since zero(): write the shard directly, nothing to add to
+                out, b.shard_fresh = b.grad_shard, False
+            else:
+                out = torch.empty(hi - lo, dtype=torch.float32, device=b.grad.device)
+        b.grad.div_(self.world)
         self._pending.append((_reduce_scatter(out, b.grad, group=self.group, async_op=True), b, out))
         self._launched(b)
         if self.stage >= 2 and len(self._pending) > 2:
             self._retire(self._pending.pop(0))  # bound the full gradient buffers alive at once
+
+    def _fill_unwritten(self, b) -> None:
+        """Zero what no gradient was copied into: padding, and parameters unused in this backward."""
+        used = b.offsets[-1] + b.params[-1].numel()
+        b.grad[used:].zero_()
+        for i, q in enumerate(b.params):
+            if q not in b.written:
+                b.view(b.grad, i).zero_()
 
     def _launched(self, b) -> None:
         """Stage 3: a unit whose gradients are all in no longer needs its parameters."""
@@ -189,7 +216,8 @@ class ZeroDataParallel(LocalGrads):
         work, b, out = item
         work.wait()
         if self.stage >= 2:
-            b.grad_shard.add_(out)
+            if out is not b.grad_shard:
+                b.grad_shard.add_(out)
             b.grad = None
             for q in b.params:
                 q.main_grad = None  # drop the views, or they keep the full buffer alive
@@ -210,10 +238,17 @@ class ZeroDataParallel(LocalGrads):
 
     def finish(self) -> None:
         self._drain()
+        for b in self.buckets:
+            if self.stage >= 2 and b.shard_fresh:  # no gradient reached it this step
+                b.grad_shard.zero_()
+                b.shard_fresh = False
 
     def zero(self) -> None:
         for b in self.buckets:
-            (b.grad if self.stage == 1 else b.grad_shard).zero_()
+            if self.stage == 1:
+                b.grad.zero_()
+            else:
+                b.shard_fresh = True  # the first reduce-scatter overwrites it: no need to fill zeros
 
     def grads(self):
         if self.stage == 1:

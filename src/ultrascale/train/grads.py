@@ -47,9 +47,12 @@ class LocalGrads:
             # A replicated parameter that each rank of this group saw only part of the
             # activations of (a norm under sequence parallelism): its gradient is the sum.
             dist.all_reduce(p.grad, group=group)
-        p.main_grad.add_(p.grad)
+        self._add_into_main_grad(p)
         p.grad = None
         self.on_grad_ready(p)
+
+    def _add_into_main_grad(self, p: torch.nn.Parameter) -> None:
+        p.main_grad.add_(p.grad)
 
     def on_grad_ready(self, p: torch.nn.Parameter) -> None:
         """Called once per parameter per backward, after its gradient is in main_grad."""

@@ -1,0 +1,192 @@
+"""Run a notebook top to bottom in a fresh kernel, as a learner would, and prove its exercises.
+
+One kernel per notebook (kernels are slow to start):
+
+1. every code cell in order; the first error stops the run and is reported
+   with its cell index. Cells tagged `needs-gpu` are skipped, and reported as
+   skipped, unless the kernel sees CUDA.
+2. then, for each exercise, in the same kernel: the starter cell again and a
+   direct call of `check_exercise_<k>()`, which must raise (a check that passes
+   on the starter checks nothing); then the hidden solution and the same call,
+   which must return. This is how a generated exercise is known to be sound.
+
+The kernel is this interpreter (`sys.executable`), whatever kernelspec named
+"python3" a user's Jupyter setup has: the notebook runs against the torch and
+ultrascale this command was installed with.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from ultrascale.config import ConfigError
+from ultrascale.series.build import GPU_TAG, check_function
+from ultrascale.series.outline import outline
+
+
+@dataclass
+class CellError:
+    cell: int
+    ename: str
+    evalue: str
+
+    def line(self) -> str:
+        return f"cell {self.cell} failed: {self.ename}: {self.evalue}".rstrip(": ")
+
+
+@dataclass
+class ExerciseResult:
+    number: int
+    on_starter: str | None  # what the check raised on the starter; None: it passed (wrong)
+    on_solution: str | None  # what it raised on the solution; None: it passed (right)
+    starter_cell: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.on_starter is not None and self.on_solution is None
+
+    def line(self) -> str:
+        if self.ok:
+            return (f"exercise {self.number}: the check fails on the starter ({self.on_starter}) and passes "
+                    f"with the reference solution")
+        parts = []
+        if self.on_starter is None:
+            parts.append("the check passes on the starter code: it checks nothing, or the starter holds the answer")
+        if self.on_solution is not None:
+            parts.append(f"the reference solution fails its own check: {self.on_solution}")
+        return f"exercise {self.number}: " + "; ".join(parts)
+
+
+@dataclass
+class RunReport:
+    seconds: float = 0.0
+    executed: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)  # needs-gpu cells not run
+    failure: CellError | None = None
+    exercises: list[ExerciseResult] = field(default_factory=list)
+    outputs: dict = field(default_factory=dict)  # cell index -> text the cell printed
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None and all(e.ok for e in self.exercises)
+
+    def problems(self) -> list[str]:
+        """One line per thing that is wrong, in the words a fix needs."""
+        out = [self.failure.line()] if self.failure else []
+        return out + [e.line() for e in self.exercises if not e.ok]
+
+
+def _this_python_manager():
+    from ipykernel.kernelspec import RESOURCES, get_kernel_dict
+    from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+    from jupyter_client.manager import KernelManager
+
+    class ThisPython(KernelSpecManager):
+        def get_kernel_spec(self, kernel_name):
+            return KernelSpec(resource_dir=RESOURCES, **get_kernel_dict())
+
+    return KernelManager(kernel_spec_manager=ThisPython(), kernel_name="python3")
+
+
+def _text(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append("".join(out.get("text", "")))
+        elif out.get("output_type") in ("execute_result", "display_data"):
+            parts.append("".join(out.get("data", {}).get("text/plain", "")))
+    return "".join(parts)
+
+
+def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | None = None,
+                 exercises: bool = True) -> RunReport:
+    """Execute `nb` (not modified) and report; `gpu=None` asks the kernel whether CUDA is there."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    work = nbformat.from_dict(copy.deepcopy(dict(nb)))
+    o = outline(work)
+    n_cells = len(work.cells)
+    report = RunReport()
+    start = time.perf_counter()
+    stderr = tempfile.TemporaryFile()
+    try:
+        client = NotebookClient(work, km=_this_python_manager(), timeout=timeout, shutdown_kernel="immediate",
+                                resources={"metadata": {"path": cwd or os.getcwd()}})
+    except Exception as e:  # no ipykernel, broken jupyter setup
+        raise ConfigError(f"cannot start a Python kernel ({e}); pip install 'ultrascale[series]'") from e
+
+    def run(source: str):
+        """Execute extra code after the notebook's cells; return the error text, or None."""
+        work.cells.append(nbformat.v4.new_code_cell(source))
+        try:
+            client.execute_cell(work.cells[-1], len(work.cells) - 1)
+        except CellExecutionError as e:
+            return f"{e.ename}: {e.evalue}" if str(e.evalue).strip() else e.ename
+        return None
+
+    try:
+        with client.setup_kernel(cleanup_kc=True, stderr=stderr):
+            for i in range(n_cells):
+                cell = work.cells[i]
+                if cell.cell_type != "code" or not cell.source.strip():
+                    continue
+                if GPU_TAG in cell.metadata.get("tags", []):
+                    if gpu is None:
+                        probe = "import importlib.util as _u; print(bool(_u.find_spec('torch')) and " \
+                                "__import__('torch').cuda.is_available()); del _u"
+                        run(probe)
+                        gpu = _text(work.cells[-1]).strip() == "True"
+                    if not gpu:
+                        report.skipped.append(i)
+                        continue
+                try:
+                    client.execute_cell(cell, i)
+                except CellExecutionError as e:
+                    report.failure = CellError(i, e.ename, _first_line(e.evalue))
+                    break
+                except CellTimeoutError:
+                    report.failure = CellError(i, "Timeout", f"the cell ran longer than {timeout:g} s")
+                    break
+                finally:
+                    report.executed.append(i)
+                    report.outputs[i] = _text(cell)
+            if report.failure is None and exercises:
+                for e in o.exercises:
+                    if e.starter is None or e.check is None or not e.solution:
+                        continue
+                    fn = check_function(e.number)
+                    run(work.cells[e.starter].source)
+                    on_starter = run(f"{fn}()")
+                    sol = run(e.solution)
+                    on_solution = f"the solution cell raised {sol}" if sol else run(f"{fn}()")
+                    report.exercises.append(ExerciseResult(e.number, _first_line(on_starter) if on_starter else None,
+                                                           _first_line(on_solution) if on_solution else None,
+                                                           e.starter))
+    except DeadKernelError as e:
+        stderr.seek(0)
+        tail = stderr.read().decode(errors="replace").strip().splitlines()[-1:] or [str(e)]
+        cell = report.executed[-1] if report.executed else 0
+        report.failure = CellError(cell, "DeadKernel", f"the kernel died: {tail[0]}")
+    except CellTimeoutError:
+        report.failure = CellError(n_cells - 1, "Timeout", f"an exercise check ran longer than {timeout:g} s")
+    except RuntimeError as e:
+        if "kernel" not in str(e).lower():
+            raise
+        report.failure = CellError(0, "Kernel", str(e))
+    finally:
+        stderr.close()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _first_line(text: str) -> str:
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text or "").strip()
+    return text.splitlines()[0] if text else text
