@@ -150,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     # Each further command registers itself here with its module's add_parser(sub).
     from ultrascale.parallel.pipeline.cli import add_parser as add_pp_schedule; add_pp_schedule(sub)  # noqa: E702
+    from ultrascale.plan.cli import add_parser as add_plan; add_plan(sub)  # noqa: E702
     from ultrascale.series.cli import add_parser as add_notebook; add_notebook(sub)  # noqa: E702
     return parser
 

@@ -1,0 +1,159 @@
+"""Activation memory: what autograd keeps between forward and backward, per token.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models") count, per layer, sbh·(34 + 5as/h) bytes for a GPT block in 16-bit, and
+show how tensor (/t) and sequence (/t for the rest) parallelism divide it. We do
+the same count for OUR block (RMSNorm, RoPE, GQA through SDPA, SwiGLU, no
+dropout), tensor by tensor, as `torch.autograd` saves it. With b the bytes of the
+compute dtype, h hidden, kv = kv_heads·head_dim, f the FFN width, a heads:
+
+  saved tensor                       bytes/token   region (who divides it)
+  attn_norm (eager RMSNorm)          4h + 4 + 4h   norm: fp32 input, rstd, x·rstd
+  attn_norm (fused RMSNorm)          b·h + 4       norm: input, rstd
+  norm output (q/k/v input)          b·h           linear_in (all-gathered under SP)
+  q, k after RoPE; v                 b(h + 2kv)    tp
+  SDPA logsumexp                     4a            tp   (recomputed: selective)
+  SDPA output                        b·h           tp   (recomputed: selective)
+  o_proj input (eager: a copy)       b·h           tp   (fused: the SDPA output itself)
+  mlp_norm, its output               as above
+  SwiGLU gate, up, silu, product     4·b·f         tp   (GELU: 2·b·f)
+
+RoPE saves nothing of its own (its cos/sin tables are buffers), and flash-style
+SDPA (`_scaled_dot_product_flash_attention_for_cpu` on CPU, FlashAttention on
+GPU) keeps the output and the logsumexp, never the s x s score matrix: the
+5as/h term of Korthikanti is gone. Measured with the engine's ActivationMeter
+(tests/test_plan_engine.py): the eager column is our engine, exactly.
+
+Regions: `tp` tensors live in the head / FFN-column shards (/tp); `norm` tensors
+are the full-hidden ones that sequence parallelism cuts along the sequence
+(/tp with SP, whole without); `linear_in` is the input of a column-parallel
+linear: with SP it is all-gathered, and Megatron keeps only the shard (re-gather
+in backward), others keep the gathered copy. Context parallelism cuts every
+token-wise tensor by cp. Full recomputation keeps only each block's input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """What the activation count depends on besides the shape."""
+
+    act_bytes: int  # b: 2 in bf16, 4 in fp32
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    ep: int = 1
+    recompute: str = "none"
+    kernels: str = "eager"  # eager: our engine as written; fused: fused norms, [b, s, heads, d] attention
+    sp_keeps_gathered_input: bool = False
+
+
+def _norm(shape, spec: ActivationSpec) -> list[tuple[str, float, str]]:
+    h, b = shape.hidden, spec.act_bytes
+    if shape.norm == "layernorm":
+        stats = 2 * (b if spec.kernels == "eager" else 4)  # mean and rstd (the CPU kernel keeps them in dtype)
+        return [("norm input", b * h, "norm"), ("norm mean/rstd", stats, "norm")]
+    if spec.kernels == "eager":
+        # F.rms_norm decomposed: upcast to fp32 (a copy in bf16, the input itself in fp32), rsqrt, x * rsqrt.
+        return [("norm input (fp32)", 4 * h, "norm"), ("norm rstd", 4, "norm"), ("norm x*rstd (fp32)", 4 * h, "norm")]
+    return [("norm input", b * h, "norm"), ("norm rstd", 4, "norm")]
+
+
+def layer_terms(shape, spec: ActivationSpec) -> list[tuple[str, float, str]]:
+    """(tensor, bytes per token, region) that one block saves without recomputation."""
+    h, kv, b, a = shape.hidden, shape.kv_dim, spec.act_bytes, shape.heads
+    out = [("attn_norm " + n, v, r) for n, v, r in _norm(shape, spec)]
+    out += [("attn_norm output", b * h, "linear_in"),
+            ("q after RoPE", b * h, "tp"), ("k after RoPE", b * kv, "tp"), ("v", b * kv, "tp"),
+            ("SDPA logsumexp", 4 * a, "tp"), ("SDPA output", b * h, "tp")]
+    if spec.kernels == "eager":
+        out.append(("o_proj input (transposed copy)", b * h, "tp"))
+    out += [("mlp_norm " + n, v, r) for n, v, r in _norm(shape, spec)]
+    out.append(("mlp_norm output", b * h, "linear_in"))
+    if shape.is_moe:
+        out += _moe_terms(shape, spec)
+    else:
+        f = shape.ffn_hidden
+        names = ("gate", "up", "silu(gate)", "silu*up") if shape.mlp == "swiglu" else ("up", "gelu(up)")
+        out += [(f"mlp {n}", b * f, "tp") for n in names]
+    return out
+
+
+def _moe_terms(shape, spec):
+    """Top-k routing as Megatron / GShard dispatch it (derivation, not measured: the engine has no MoE yet).
+    Router probabilities (fp32 softmax, E per token) and top-k weights; each token is copied to k
+    experts (the permuted expert inputs, b·h each, and the expert outputs combined back, b·h each);
+    each copy runs an expert MLP (4·b·f_e for SwiGLU). Expert parallelism moves the copies between
+    ranks but, balanced, each rank still processes k copies per local token."""
+    b, h, k, f = spec.act_bytes, shape.hidden, shape.top_k, shape.expert_ffn
+    per_copy = 4 * b * f if shape.mlp == "swiglu" else 2 * b * f
+    return [("router probabilities (fp32)", 4 * shape.experts, "norm"), ("top-k weights", 4 * k, "norm"),
+            ("expert inputs (dispatched copies)", k * b * h, "norm"),
+            ("expert outputs (before combine)", k * b * h, "norm"),
+            ("expert MLPs", k * per_copy, "tp")]
+
+
+def divisor(region: str, spec: ActivationSpec) -> int:
+    sp = spec.sp and spec.tp > 1
+    if region == "tp":
+        return spec.tp * spec.cp
+    if region == "norm":
+        return (spec.tp if sp else 1) * spec.cp
+    if region == "linear_in":
+        return (spec.tp if sp and not spec.sp_keeps_gathered_input else 1) * spec.cp
+    raise ValueError(region)
+
+
+def layer_bytes(shape, spec: ActivationSpec, tokens: int, recompute: str | None = None) -> float:
+    """Bytes one block keeps for `tokens` tokens of a micro-batch (before cp / tp division)."""
+    recompute = spec.recompute if recompute is None else recompute
+    if recompute == "full":
+        # Only the block's input survives (the residual stream, in the compute dtype, SP-sharded).
+        return tokens * spec.act_bytes * shape.hidden / divisor("norm", spec)
+    total = 0.0
+    for name, per_token, region in layer_terms(shape, spec):
+        if recompute == "selective" and name in ("SDPA logsumexp", "SDPA output"):
+            # The engine recomputes the attention core: its output and logsumexp are not kept
+            # (with fused kernels the output survives anyway, as the o_proj input).
+            if spec.kernels == "eager" or name == "SDPA logsumexp":
+                continue
+        total += tokens * per_token / divisor(region, spec)
+    return total
+
+
+def embedding_bytes(tokens: int, spec: ActivationSpec) -> float:
+    """What the embedding keeps (first pipeline stage): its int64 input ids; vocabulary-parallel
+    (tp > 1), the ids local to its shard and a bool mask of the tokens outside it.
+    (On CPU the engine's ids are a view of the step's [batch, s + 1] token windows, and the meter
+    counts that whole storage: a few hundred bytes more than this, see docs/planner.md.)"""
+    return tokens * (8 if spec.tp == 1 else 9) / spec.cp
+
+
+def final_norm_bytes(shape, spec: ActivationSpec, tokens: int) -> float:
+    """The final norm and its output (the head's input), on the last pipeline stage."""
+    terms = _norm(shape, spec) + [("final norm output", spec.act_bytes * shape.hidden, "linear_in")]
+    return sum(tokens * v / divisor(r, spec) for _, v, r in terms)
+
+
+def padded_vocab(shape, tp: int) -> int:
+    return -(-shape.vocab // tp) * tp
+
+
+def loss_saved_bytes(shape, spec: ActivationSpec, tokens: int) -> float:
+    """What the loss keeps for backward. One rank: F.cross_entropy's fp32 log-softmax, the int64
+    targets and one fp32 scalar (the mean's weight). Vocabulary-parallel (tp > 1): the fp32 softmax
+    of this rank's columns, the int64 local target indices and a bool mask of the targets it owns."""
+    if spec.tp == 1:
+        return tokens * (4 * shape.vocab + 8) / spec.cp + 4
+    v = padded_vocab(shape, spec.tp) // spec.tp
+    return tokens * (4 * v + 8 + 1) / spec.cp
+
+
+def loss_transient_bytes(shape, spec: ActivationSpec, tokens: int) -> float:
+    """Alive only while the loss runs: the logits in the compute dtype and, in bf16, their fp32 copy."""
+    v = padded_vocab(shape, spec.tp) // spec.tp
+    per_logit = spec.act_bytes + (4 if spec.act_bytes != 4 else 0)
+    return tokens * per_logit * v / spec.cp

@@ -1,0 +1,108 @@
+"""Pipeline schedules: the bubble, and how many micro-batches a stage holds in flight.
+
+Closed forms (the playbook's pipeline chapter; Narayanan et al. 2021 for the
+interleaved schedule; Qi et al. 2023 for zero bubble), with p stages, m
+micro-batches per optimizer step and v model chunks per rank:
+
+  schedule     bubble / ideal time        activations held by stage i (micro-batches of a stage)
+  afab         (p - 1) / m                m
+  1f1b         (p - 1) / m                min(p - i, m)
+  interleaved  (p - 1) / (v·m)            min(2(p - i - 1) + (v - 1)p + 1, v·m) chunks, / v
+  zero-bubble  (p - 1 + max(0, p - m))    min(p - i, m)
+               / (3m)
+
+ZB-H1 splits the backward into I (input gradient) and W (weight gradient): a third of
+1F1B's bubble once m >= p. Every entry equals what the engine's own schedules give
+(ultrascale.parallel.pipeline: the action lists played by its simulator at unit costs
+F = I = W, and the micro-batches held between a forward and its B or I) for the p, m, v
+each schedule accepts (tests/test_plan.py).
+
+The closed forms stay the planner's source: they cost nothing where a simulation of
+p = 64, m = 256 takes a second, and the search asks thousands of times. The seam: a
+schedule is any object with `bubble_fraction(p, m, v)` and `in_flight(p, m, v, stage)`
+(and optionally `held_per_chunk`); `use_schedule(name, model)` swaps one in, e.g. the
+simulator played with measured, unequal F / I / W costs.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class ScheduleModel(Protocol):
+    def bubble_fraction(self, p: int, m: int, v: int) -> float: ...
+
+    def in_flight(self, p: int, m: int, v: int, stage: int) -> float: ...
+
+
+class AllForwardAllBackward:
+    def bubble_fraction(self, p, m, v):
+        return (p - 1) / m
+
+    def in_flight(self, p, m, v, stage):
+        return m
+
+
+class OneForwardOneBackward:
+    def bubble_fraction(self, p, m, v):
+        return (p - 1) / m
+
+    def in_flight(self, p, m, v, stage):
+        return min(p - stage, m)
+
+
+class Interleaved:
+    def bubble_fraction(self, p, m, v):
+        return (p - 1) / (v * m)
+
+    def in_flight(self, p, m, v, stage):
+        return sum(self.held_per_chunk(p, m, v, stage)) / v
+
+    def held_per_chunk(self, p, m, v, stage):
+        # Megatron's warm-up count for rank `stage`, plus the chunk in its steady 1F1B. Forwards go
+        # p micro-batches of chunk 0, then p of chunk 1, ...: forward slot k is chunk (k // p) % v.
+        slots = min(2 * (p - stage - 1) + (v - 1) * p + 1, v * m)
+        held = [0] * v
+        for k in range(slots):
+            held[(k // p) % v] += 1
+        return held
+
+
+class ZeroBubbleH1:
+    def bubble_fraction(self, p, m, v):
+        # With fewer micro-batches than stages the weight passes cannot fill the ramp: p - m more idle slots.
+        return (p - 1 + max(0, p - m)) / (3 * m)
+
+    def in_flight(self, p, m, v, stage):
+        return min(p - stage, m)
+
+
+SCHEDULES: dict[str, ScheduleModel] = {
+    "afab": AllForwardAllBackward(),
+    "1f1b": OneForwardOneBackward(),
+    "interleaved": Interleaved(),
+    "zero-bubble": ZeroBubbleH1(),
+}
+
+
+def use_schedule(name: str, model: ScheduleModel) -> None:
+    """Replace the closed form of `name` (e.g. by a schedule simulator)."""
+    SCHEDULES[name] = model
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    return 0.0 if p == 1 else SCHEDULES[schedule].bubble_fraction(p, m, v)
+
+
+def in_flight(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> float:
+    """Micro-batches' worth of a stage's activations alive at the stage's peak (1 without a pipeline)."""
+    return 1.0 if p == 1 else SCHEDULES[schedule].in_flight(p, m, v, stage)
+
+
+def held_per_chunk(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> list[float]:
+    """Micro-batches held at the peak by each of the stage's v chunks (a schedule without its own
+    split holds the same number of each)."""
+    model = SCHEDULES[schedule]
+    if p > 1 and hasattr(model, "held_per_chunk"):
+        return list(model.held_per_chunk(p, m, v, stage))
+    return [in_flight(schedule, p, m, v, stage)] * v

@@ -1,0 +1,56 @@
+"""Frameworks: how an implementation spends memory and time beyond the model's formulas.
+
+Two kinds of fields. Implementation facts say what the code does (which
+kernels, what a sequence-parallel linear keeps); they are read off the code.
+Calibration constants are the few numbers a model of a real cluster cannot
+derive; each one is named, documented, and set once for a framework, never per
+configuration (docs/planner.md gives the figures they produce).
+
+- `ultrascale`: our engine as written (eager RMSNorm, SDPA, fp32 loss), which
+  the planner matches exactly on CPU (tests/test_plan_engine.py).
+- `playbook`: the framework of the playbook's published H100 runs
+  (../shared/data/playbook_benchmarks.csv: nanotron, FlashAttention, fused
+  norms), calibrated against those runs (`ultrascale plan validate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ultrascale.config import ConfigError
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Framework:
+    name: str
+    # -- implementation facts ------------------------------------------------
+    kernels: str  # "eager" (our engine) | "fused" (fused norms, attention in [b, s, heads, d])
+    sp_keeps_gathered_input: bool  # column-parallel linears under SP save the all-gathered input
+    partition: str  # how layers are cut into pipeline stages: "even" | "compute" (states.stage_blocks)
+    # -- calibration constants -----------------------------------------------
+    context_bytes: float  # CUDA context, cuBLAS/NCCL workspaces: outside the allocator, always there
+    fragmentation: float  # caching-allocator overhead on the memory that comes and goes (activations...)
+    mfu: float  # fraction of the device peak the model's matmuls reach when nothing else interferes
+    layer_overhead_s: float  # fixed cost per layer per micro-batch (kernel launches, small kernels)
+    microbatch_overhead_s: float = 0.0  # fixed cost per micro-batch and stage (scheduling, host work)
+    help: str = ""
+
+
+FRAMEWORKS = {
+    "ultrascale": Framework(
+        "ultrascale", kernels="eager", sp_keeps_gathered_input=True, partition="even",
+        context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
+        help="our engine: eager kernels, exact on CPU"),
+    "playbook": Framework(
+        "playbook", kernels="fused", sp_keeps_gathered_input=False, partition="compute",
+        context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
+        help="the playbook's benchmark framework (nanotron on H100), calibrated on its runs"),
+}
+
+
+def get_framework(name: str) -> Framework:
+    if name not in FRAMEWORKS:
+        raise ConfigError(f"unknown framework {name!r}: choose one of {', '.join(FRAMEWORKS)}")
+    return FRAMEWORKS[name]

@@ -1,0 +1,197 @@
+"""`ultrascale plan`: search, one configuration's memory, and validation against measurements.
+
+  ultrascale plan --model llama3-8b --gpus 64 --gpu h100-80gb --seq-len 4096 --global-batch-tokens 1048576
+  ultrascale plan memory --model llama3-8b --dp 8 --zero 1 --micro-batch 1 --seq-len 4096 [--json] [--chart mem.png]
+  ultrascale plan validate [--data playbook_benchmarks.csv] [--json]
+
+Importing this module costs argparse only; the planner loads when a command runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+# (flag, ModelShape field, type, help)
+MODEL_FLAGS = [
+    ("--vocab-size", "vocab", int, "override the vocabulary size"),
+    ("--hidden", "hidden", int, "override the hidden size"),
+    ("--layers", "layers", int, "override the number of blocks"),
+    ("--heads", "heads", int, "override the query heads"),
+    ("--kv-heads", "kv_heads", int, "override the key/value heads (GQA)"),
+    ("--ffn-hidden", "ffn_hidden", int, "override the MLP width"),
+    ("--experts", "experts", int, "Mixture of Experts: experts per block (0: dense)"),
+    ("--top-k", "top_k", int, "MoE: experts each token visits"),
+    ("--expert-ffn-hidden", "expert_ffn_hidden", int, "MoE: width of one expert's MLP"),
+]
+LAYOUT_FLAGS = [  # (flag, Layout field, type, help); None default: searched (plan) or the Layout default (memory)
+    ("--dp", "dp", int, "data-parallel size"),
+    ("--tp", "tp", int, "tensor-parallel size"),
+    ("--pp", "pp", int, "pipeline-parallel size"),
+    ("--cp", "cp", int, "context-parallel size"),
+    ("--ep", "ep", int, "expert-parallel size (carved out of dp)"),
+    ("--zero", "zero", int, "ZeRO stage 0-3"),
+    ("--recompute", "recompute", str, "activation recomputation: none, selective, full"),
+    ("--micro-batch", "micro_batch", int, "sequences per micro-batch per data-parallel rank"),
+    ("--schedule", "schedule", str, "pipeline schedule: afab, 1f1b, interleaved, zero-bubble"),
+    ("--chunks", "chunks", int, "model chunks per pipeline rank (interleaved)"),
+]
+
+
+def _common(p, search: bool) -> None:
+    p.add_argument("--model", help="model preset (llama3-8b, llama3-70b, 1b, 8b, mixtral-8x7b, ...)")
+    for flag, dest, typ, help_ in MODEL_FLAGS:
+        p.add_argument(flag, dest=f"shape_{dest}", type=typ, default=None, metavar="N", help=help_)
+    p.add_argument("--tie-embeddings", dest="shape_tie_embeddings", action="store_const", const=True, default=None,
+                   help="share the embedding and output matrices")
+    p.add_argument("--gpu", default="h100-80gb", help="GPU from the hardware table: h100-80gb, h200, a100-80gb, "
+                                                      "a100-40gb (default h100-80gb)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--precision", default="bf16", help="fp32, bf16 (default), bf16-fp32-grads, bf16-fp32-accum")
+    p.add_argument("--framework", default="playbook", help="playbook (calibrated on the playbook's H100 runs, "
+                                                           "default) or ultrascale (our engine's kernels)")
+    p.add_argument("--no-sp", dest="sp", action="store_false", help="tensor parallelism without sequence parallelism")
+    p.add_argument("--json", action="store_true", help="print JSON with every field")
+    for flag, dest, typ, help_ in LAYOUT_FLAGS:
+        p.add_argument(flag, dest=dest, type=typ, default=None, metavar="N" if typ is int else "NAME",
+                       help=help_ + (" (default: searched)" if search else ""))
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="find the best configuration; memory of one; validation against measurements")
+    _common(p, search=True)
+    p.add_argument("--gpus", type=int, help="number of GPUs")
+    p.add_argument("--global-batch-tokens", type=int, default=1048576,
+                   help="tokens per optimizer step (default 1,048,576)")
+    p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    p.set_defaults(func=cmd_search)
+    plan_sub = p.add_subparsers(dest="plan_command", metavar="{memory,validate}")
+    m = plan_sub.add_parser("memory", help="per-GPU memory (and step time) of one configuration")
+    _common(m, search=False)
+    m.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the pipeline's m)")
+    m.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket cap in MB (ZeRO padding, buffers)")
+    m.add_argument("--chart", help="draw the breakdown as a stacked bar chart (PNG)")
+    m.set_defaults(func=cmd_memory)
+    v = plan_sub.add_parser("validate", help="the planner's figures against the playbook's H100 runs")
+    v.add_argument("--data", help="the CSV (default: ../shared/data/playbook_benchmarks.csv, else the packaged copy)")
+    v.add_argument("--json", action="store_true", help="print the figures as JSON")
+    v.set_defaults(func=cmd_validate)
+
+
+def _shape(args):
+    from ultrascale.config import ConfigError
+    from ultrascale.plan.shape import get_shape, known_models
+
+    if not args.model:
+        raise ConfigError(f"--model is required: one of {', '.join(known_models())}")
+    overrides = {k[len("shape_"):]: v for k, v in vars(args).items() if k.startswith("shape_") and v is not None}
+    for k, v in overrides.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v <= 0 and k not in ("experts",):
+            raise ConfigError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
+    return get_shape(args.model, **overrides)
+
+
+def _context(args):
+    from ultrascale.plan.calibration import get_framework
+    from ultrascale.plan.hardware import get_gpu
+    from ultrascale.plan.precision import get_precision
+
+    get_precision(args.precision)
+    return get_gpu(args.gpu), get_framework(args.framework)
+
+
+def cmd_search(args) -> int:
+    from ultrascale.config import ConfigError
+    from ultrascale.plan import report
+    from ultrascale.plan.search import batch_sequences, gpus_needed, search
+
+    shape = _shape(args)
+    gpu, fw = _context(args)
+    if args.gpus is None:
+        raise ConfigError("--gpus is required (or use `ultrascale plan memory` for one configuration)")
+    if args.top <= 0:
+        raise ConfigError(f"--top must be a positive integer, got {args.top}")
+    fixed = {dest: getattr(args, dest) for _, dest, _, _ in LAYOUT_FLAGS if getattr(args, dest) is not None}
+    if not args.sp:
+        fixed["sp"] = False
+    for k, v in fixed.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v < (0 if k == "zero" else 1):
+            raise ConfigError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
+    result = search(shape, args.gpus, gpu, fw, args.seq_len, args.global_batch_tokens, args.precision, fixed)
+    sequences = batch_sequences(args.global_batch_tokens, args.seq_len)
+    needed = None if result.ranked else gpus_needed(shape, args.gpus, gpu, fw, args.seq_len,
+                                                    args.global_batch_tokens, args.precision, fixed)
+    if args.json:
+        out = {"model": shape.name, "gpus": args.gpus, "gpu": gpu.name, "framework": fw.name,
+               "enumerated": result.enumerated, "fitting": len(result.ranked),
+               "candidates": [c.as_dict() for c in result.ranked[:args.top]],
+               "smallest": result.smallest.as_dict() if result.smallest else None, "gpus_needed": needed}
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{shape.name} on {args.gpus} x {gpu.name}: {sequences} sequences x {args.seq_len} tokens per step, "
+          f"precision {args.precision}, framework {fw.name}")
+    if not result.ranked:
+        print("\n".join(report.nothing_fits(shape, result, gpu, args.gpus, needed)))
+        return 0
+    print("\n".join(report.table(result.ranked, args.top)))
+    print("\n".join(report.explain(shape, result, gpu, args.gpus, sequences)))
+    return 0
+
+
+def _layout(args, shape):
+    from ultrascale.plan.layout import Layout, check_layout
+
+    given = {dest: getattr(args, dest) for _, dest, _, _ in LAYOUT_FLAGS if getattr(args, dest) is not None}
+    lay = Layout(**given, seq_len=args.seq_len, grad_accum=args.grad_accum, precision=args.precision, sp=args.sp,
+                 bucket_mb=args.bucket_mb)
+    check_layout(lay, shape)
+    return lay
+
+
+def cmd_memory(args) -> int:
+    from ultrascale.plan import report
+    from ultrascale.plan.memory import memory_plan
+    from ultrascale.plan.time import step_time
+
+    shape = _shape(args)
+    gpu, fw = _context(args)
+    lay = _layout(args, shape)
+    plan = memory_plan(shape, lay, fw)
+    timing = step_time(shape, lay, gpu, fw)
+    if args.chart:
+        from ultrascale.plan.chart import draw_memory
+
+        draw_memory(plan, gpu, f"{shape.name}: {lay.label()}", args.chart)
+    if args.json:
+        mem = {k: (round(v) if k not in ("in_flight_micro_batches",) else v) for k, v in plan.as_dict().items()
+               if not isinstance(v, list)}
+        mem["stages"] = [{k: round(v) for k, v in s.items()} for s in plan.as_dict()["stages"]]
+        out = {"model": shape.name, "param_count": shape.count(), "gpu": gpu.name,
+               "gpu_memory_bytes": round(gpu.memory_bytes),
+               "framework": fw.name, "layout": lay.to_dict(), "memory": mem,
+               "fits": plan.peak.total <= gpu.memory_bytes, "time": timing.as_dict()}
+        print(json.dumps(out, indent=1))
+        return 0
+    print("\n".join(report.memory_lines(shape, lay, plan, gpu, fw)))
+    print("\n".join(report.time_lines(timing)))
+    if args.chart:
+        print(f"chart: {args.chart}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from ultrascale.plan.validate import load_rows, report_lines, validate
+
+    rows, source = load_rows(args.data)
+    try:
+        figures = validate(rows)
+    except (KeyError, ValueError) as e:
+        from ultrascale.config import ConfigError
+
+        raise ConfigError(f"{source}: not the playbook benchmark format ({e})") from None
+    if args.json:
+        print(json.dumps({"source": source, **figures}, indent=1))
+    else:
+        print("\n".join(report_lines(figures, source)))
+    sys.stdout.flush()
+    return 0 if figures["goals_met"] else 1

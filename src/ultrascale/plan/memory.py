@@ -1,0 +1,175 @@
+"""Per-GPU memory of one configuration, by owner, for every pipeline stage.
+
+Terms (bytes per GPU):
+  params, grads, optim  model states, sharded by tp / pp / ep and ZeRO (states.py)
+  activations           what autograd keeps for backward (activations.py), times the
+                        micro-batches the stage holds in flight under its schedule
+                        (bubble.py); the final norm on the last stage
+  logits                what the loss keeps: fp32 log-softmax and targets, per in-flight
+                        micro-batch on the last stage
+  transient             memory that lives only during part of the step and is at its
+                        largest at the peak: the logits in the compute dtype (and their
+                        fp32 copy) while the loss runs; the backward working set of one
+                        block (its activation gradients, about its saved activations),
+                        twice under full recomputation (the block recomputed, then its
+                        gradients)
+  comm_buffers          the all-gathered input of a sequence-parallel linear and the
+                        full output before its reduce-scatter; pipeline send/receive
+                        buffers; ring-attention K/V blocks (double-buffered); expert
+                        all-to-all buffers; ZeRO-2/3 full gradient buckets in flight
+                        and ZeRO-3's gathered parameters (the unit in use and the
+                        prefetched one)
+  overhead              CUDA context and library workspaces, plus the caching
+                        allocator's fragmentation of what comes and goes (calibration.py)
+
+The binding stage is the one with the largest total: the first stage under 1F1B
+(it holds p micro-batches), the last one when the logits dominate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ultrascale.plan import activations as act
+from ultrascale.plan.bubble import held_per_chunk, in_flight
+from ultrascale.plan.calibration import GIB, Framework
+from ultrascale.plan.precision import ENGINE_PRECISION, get_precision
+from ultrascale.plan.states import chunk_layers, engine_states, model_states, rank_params, stage_layer_ids
+
+TERMS = ("params", "grads", "optim", "activations", "logits", "transient", "comm_buffers", "overhead")
+DYNAMIC = ("activations", "logits", "transient", "comm_buffers")
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    terms: dict
+    in_flight: float
+    layers: int
+    param_count: float
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def allocated(self) -> float:
+        """What the allocator hands out at the peak (no context, no fragmentation)."""
+        return self.total - self.terms["overhead"]
+
+
+@dataclass
+class MemoryPlan:
+    stages: list = field(default_factory=list)
+
+    @property
+    def peak(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    def as_dict(self) -> dict:
+        p = self.peak
+        return {"total": p.total, "stage": p.stage, "in_flight_micro_batches": p.in_flight, "layers": p.layers,
+                "param_count": p.param_count, **{k: p.terms[k] for k in TERMS},
+                "stages": [{"stage": s.stage, "total": s.total, **s.terms} for s in self.stages]}
+
+
+def activation_spec(lay, fw: Framework) -> act.ActivationSpec:
+    return act.ActivationSpec(act_bytes=get_precision(lay.precision).act_bytes, tp=lay.tp, sp=lay.sp_on, cp=lay.cp,
+                              ep=lay.ep, recompute=lay.recompute, kernels=fw.kernels,
+                              sp_keeps_gathered_input=fw.sp_keeps_gathered_input)
+
+
+def _engine_exact(shape, lay, fw) -> bool:
+    """Configurations our engine runs today, planned with its own framework: replayed exactly."""
+    return (fw.kernels == "eager" and fw.partition == "even" and lay.cp == lay.ep == 1 and not shape.is_moe
+            and lay.precision in ENGINE_PRECISION.values())
+
+
+def _states(shape, lay, fw, stage):
+    prec = get_precision(lay.precision)
+    blocks = (len(stage[0]), stage[1], stage[2])
+    if _engine_exact(shape, lay, fw):
+        # Our engine: replay its parameter shards, buckets and padding; every rank, keep the largest.
+        whole = None if lay.pp == 1 else stage
+        ranks = range(lay.dp) if lay.dp <= 64 else (0, lay.dp - 1)
+        per_rank = [engine_states(shape, prec, lay.dp, lay.zero, lay.bucket_mb, r, lay.tp, whole) for r in ranks]
+        best = max(per_rank, key=lambda s: sum(s.values()))
+        return {**best, "param_count": sum(n for _, n in rank_params(shape, lay.tp, whole))}
+    return model_states(shape, lay, prec, blocks)
+
+
+def _unit_params(shape, lay) -> float:
+    """Parameters of one ZeRO-3 unit (a block) on this rank: what one all-gather brings."""
+    dense = shape.attn_params() / lay.tp + 2 * shape.norm_params()
+    if shape.is_moe:
+        return dense + shape.experts * shape.hidden + shape.experts // lay.ep * shape.expert_params() / lay.tp
+    return dense + shape.expert_params() / lay.tp
+
+
+def _comm_buffers(shape, lay, spec, tokens, states) -> float:
+    b, h = spec.act_bytes, shape.hidden
+    out = 0.0
+    full_seq = tokens * b * h / lay.cp
+    if lay.tp > 1 and lay.sp_on:
+        out += 2 * full_seq  # gathered input of a column-parallel linear; row-parallel output before reduce-scatter
+    if lay.pp > 1:
+        out += 2 * full_seq / (lay.tp if lay.sp_on else 1)  # one send and one receive buffer
+    if lay.cp > 1:
+        out += 2 * 2 * tokens * b * shape.kv_dim / lay.cp / lay.tp  # K and V blocks, current and next
+    if lay.ep > 1:
+        out += 2 * shape.top_k * full_seq  # all-to-all send and receive
+    prec = get_precision(lay.precision)
+    if lay.zero >= 2:
+        full_grads = states["param_count"] * 4
+        out += min(3 * lay.bucket_mb * 2**20, full_grads)  # full fp32 buckets awaiting their reduce-scatter
+    if lay.zero == 3:
+        unit = _unit_params(shape, lay)
+        out += 2 * prec.param_bytes * unit  # the unit in use and the prefetched one
+    return out
+
+
+def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
+    """The memory of every pipeline stage of `lay` (check_layout first)."""
+    spec = activation_spec(lay, fw)
+    tokens = lay.micro_batch * lay.seq_len
+    layer = act.layer_bytes(shape, spec, tokens)
+    layer_none = act.layer_bytes(shape, spec, tokens, recompute="none")
+    plan = MemoryPlan()
+    cache = {}  # stages holding as many blocks share their states and buffers (by formula)
+    exact = _engine_exact(shape, lay, fw)
+    for stage, ids in enumerate(stage_layer_ids(shape, lay.pp, fw.partition, lay.chunks)):
+        blocks = (len(ids[0]), ids[1], ids[2])
+        n_layers, first, last = blocks
+        key = ids if exact else blocks
+        if key not in cache:
+            states = _states(shape, lay, fw, ids)
+            cache[key] = (states, _comm_buffers(shape, lay, spec, tokens, states))
+        states, comm = cache[key]
+        flight = in_flight(lay.schedule, lay.pp, lay.grad_accum, lay.chunks, stage)
+        # Each chunk's activations times the micro-batches it holds; the embedding rides with the
+        # first chunk of the first stage, the final norm and the loss with the last chunk of the last.
+        held = held_per_chunk(lay.schedule, lay.pp, lay.grad_accum, lay.chunks, stage)
+        sizes = chunk_layers(shape, lay.pp, lay.chunks, stage) if lay.chunks > 1 else [n_layers]
+        per_chunk = [n * layer for n in sizes]
+        if first:
+            per_chunk[0] += act.embedding_bytes(tokens, spec)
+        if last:
+            per_chunk[-1] += act.final_norm_bytes(shape, spec, tokens)
+        terms = {k: states[k] for k in ("params", "grads", "optim")}
+        terms["activations"] = sum(h * a for h, a in zip(held, per_chunk))
+        terms["logits"] = held[-1] * act.loss_saved_bytes(shape, spec, tokens) if last else 0.0
+        working = layer_none * (2 if lay.recompute == "full" else 1) if n_layers else 0.0
+        terms["transient"] = working + (act.loss_transient_bytes(shape, spec, tokens) if last else 0.0)
+        terms["comm_buffers"] = comm
+        dynamic = sum(terms[k] for k in DYNAMIC)
+        terms["overhead"] = fw.context_bytes + fw.fragmentation * dynamic
+        plan.stages.append(StageMemory(stage, terms, flight, n_layers, states["param_count"]))
+    return plan
+
+
+def fits(plan: MemoryPlan, gpu) -> bool:
+    return plan.peak.total <= gpu.memory_bytes
+
+
+def gib(x: float) -> float:
+    return x / GIB

@@ -1,0 +1,185 @@
+"""Find the best configuration: the playbook's three steps as a search.
+
+1. Fit a training step in memory: enumerate every layout of the GPUs
+   (dp·tp·pp·cp = gpus, ep carved out of dp; tp within a node and dividing the
+   heads; pp within the layers; cp cutting the sequence into 2·cp chunks), every
+   ZeRO stage, recomputation and pipeline schedule, and drop what does not fit.
+2. Reach the target global batch: micro_batch x grad_accum x dp sequences,
+   with an integer number of accumulation steps.
+3. Maximise throughput: rank what is left by predicted tokens/s/GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ultrascale.config import ConfigError
+from ultrascale.plan.layout import Layout, check_layout
+from ultrascale.plan.memory import MemoryPlan, memory_plan
+from ultrascale.plan.time import StepTime, step_time
+
+SEARCH_SCHEDULES = ("1f1b", "interleaved", "zero-bubble")  # AFAB: 1F1B's bubble with more memory, never better
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: MemoryPlan
+    time: StepTime | None = None
+
+    def as_dict(self) -> dict:
+        out = {"layout": self.layout.to_dict(), "label": self.layout.label(), "memory": self.memory.as_dict()}
+        if self.time is not None:
+            out["time"] = self.time.as_dict()
+        return out
+
+
+@dataclass
+class SearchResult:
+    ranked: list = field(default_factory=list)  # fitting candidates, fastest first
+    enumerated: int = 0
+    smallest: Candidate | None = None  # the smallest per-GPU footprint seen (fitting or not)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def batch_sequences(global_batch_tokens: int, seq_len: int) -> int:
+    if global_batch_tokens <= 0 or seq_len <= 0:
+        raise ConfigError(f"--global-batch-tokens and --seq-len must be positive, got {global_batch_tokens} "
+                          f"and {seq_len}")
+    if global_batch_tokens % seq_len:
+        lo = global_batch_tokens // seq_len * seq_len
+        raise ConfigError(f"--global-batch-tokens {global_batch_tokens} is not a whole number of {seq_len}-token "
+                          f"sequences, so no integer accumulation reaches it: use a multiple of {seq_len} "
+                          f"(e.g. {lo or seq_len} or {lo + seq_len})")
+    return global_batch_tokens // seq_len
+
+
+def check_cluster(gpus: int, gpu) -> None:
+    if gpus <= 0:
+        raise ConfigError(f"--gpus must be a positive integer, got {gpus}")
+    if gpus > gpu.node_size and gpus % gpu.node_size:
+        raise ConfigError(f"--gpus {gpus} spans several {gpu.node_size}-GPU nodes but is not a multiple of "
+                          f"{gpu.node_size}: use whole nodes (e.g. {gpus // gpu.node_size * gpu.node_size} or "
+                          f"{(gpus // gpu.node_size + 1) * gpu.node_size})")
+
+
+def layouts(shape, gpus: int, gpu, seq_len: int, sequences: int, precision: str, fixed: dict):
+    """Every valid layout reaching `sequences` per step; `fixed` pins any Layout field."""
+
+    def allowed(name, values):
+        return [fixed[name]] if fixed.get(name) is not None else values
+
+    node = gpu.node_size
+    tps = [t for t in divisors(gpus) if t <= node and node % t == 0 and shape.heads % t == 0
+           and shape.kv_heads % t == 0]
+    for tp in allowed("tp", tps):
+        for cp in allowed("cp", [c for c in divisors(gpus // tp) if c & (c - 1) == 0 and seq_len % (2 * c) == 0]):
+            for pp in allowed("pp", [p for p in divisors(gpus // (tp * cp)) if p <= shape.layers]):
+                if gpus % (tp * cp * pp):
+                    continue
+                dp = gpus // (tp * cp * pp)
+                if fixed.get("dp") is not None and fixed["dp"] != dp:
+                    continue
+                if sequences % dp:
+                    continue
+                eps = [e for e in divisors(dp) if shape.is_moe and shape.experts % e == 0] or [1]
+                for ep in allowed("ep", eps):
+                    for mbs in allowed("micro_batch", divisors(sequences // dp)):
+                        ga = sequences // (dp * mbs)
+                        yield from _variants(shape, dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=mbs,
+                                                         grad_accum=ga, seq_len=seq_len, precision=precision),
+                                             fixed, allowed)
+
+
+def _variants(shape, base, fixed, allowed):
+    zeros = [z for z in (0, 1, 2, 3) if z == 0 or base["dp"] * base["cp"] > 1]
+    if base["pp"] == 1:
+        schedules = [("1f1b", 1)]
+    else:
+        schedules = [(s, 1) for s in SEARCH_SCHEDULES if s != "interleaved"]
+        if shape.layers % (2 * base["pp"]) == 0 and base["grad_accum"] % base["pp"] == 0:
+            schedules.append(("interleaved", 2))
+    if fixed.get("schedule") is not None:
+        schedules = [(fixed["schedule"], fixed.get("chunks") or (2 if fixed["schedule"] == "interleaved" else 1))]
+    for zero in allowed("zero", zeros):
+        for recompute in allowed("recompute", ["none", "selective", "full"]):
+            for schedule, chunks in schedules:
+                yield Layout(**base, zero=zero, recompute=recompute, schedule=schedule, chunks=chunks,
+                             sp=fixed.get("sp", True))
+
+
+RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+TIE = 0.01  # throughputs within 1% are below what the time model can tell apart
+
+
+def _simplicity(c: Candidate):
+    """Fewer context / pipeline / tensor / expert ranks, fewer chunks, a lower ZeRO stage, less
+    recomputation first."""
+    lay = c.layout
+    return (lay.cp, lay.pp, lay.tp, lay.ep, lay.chunks, lay.zero, RECOMPUTE_ORDER[lay.recompute],
+            -c.time.tokens_per_s_per_gpu)
+
+
+def rank(cands: list) -> list:
+    """Fastest first; within a run of candidates less than TIE slower than the run's fastest,
+    the simplest first."""
+    cands = sorted(cands, key=lambda c: -c.time.tokens_per_s_per_gpu)
+    out, i = [], 0
+    while i < len(cands):
+        head = cands[i].time.tokens_per_s_per_gpu
+        j = i
+        while j < len(cands) and cands[j].time.tokens_per_s_per_gpu >= head * (1 - TIE):
+            j += 1
+        out += sorted(cands[i:j], key=_simplicity)
+        i = j
+    return out
+
+
+def search(shape, gpus: int, gpu, fw, seq_len: int, global_batch_tokens: int, precision: str = "bf16",
+           fixed: dict | None = None, with_time: bool = True) -> SearchResult:
+    fixed = fixed or {}
+    check_cluster(gpus, gpu)
+    sequences = batch_sequences(global_batch_tokens, seq_len)
+    result = SearchResult()
+    for lay in layouts(shape, gpus, gpu, seq_len, sequences, precision, fixed):
+        try:
+            check_layout(lay, shape)
+        except ConfigError:
+            continue
+        result.enumerated += 1
+        mem = memory_plan(shape, lay, fw)
+        cand = Candidate(lay, mem)
+        if result.smallest is None or mem.peak.total < result.smallest.memory.peak.total:
+            result.smallest = cand
+        if mem.peak.total <= gpu.memory_bytes:
+            if with_time:
+                cand.time = step_time(shape, lay, gpu, fw)
+            result.ranked.append(cand)
+    if with_time:
+        result.ranked = rank(result.ranked)
+    if result.enumerated == 0:
+        pins = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items() if v is not None)
+        raise ConfigError(f"no layout of {gpus} GPUs reaches a batch of {sequences} sequences"
+                          + (f" with {pins}" if pins else "") + ": change --gpus, the batch, or the pinned sizes")
+    return result
+
+
+def gpus_needed(shape, gpus: int, gpu, fw, seq_len: int, global_batch_tokens: int, precision: str,
+                fixed: dict | None = None, limit: int = 64) -> int | None:
+    """The smallest GPU count (doubling from `gpus`, up to limit x) at which something fits."""
+    n = gpus
+    while n <= gpus * limit:
+        n *= 2
+        if n > gpu.node_size and n % gpu.node_size:
+            continue
+        memory_only = {**(fixed or {}), "recompute": "full"}
+        try:
+            found = search(shape, n, gpu, fw, seq_len, global_batch_tokens, precision, memory_only, with_time=False)
+        except ConfigError:
+            continue
+        if found.ranked:
+            return n
+    return None

@@ -1,0 +1,185 @@
+"""The model as the planner sees it: a shape, its parameters, and who holds which.
+
+`ModelShape` is `ultrascale.model.config.ModelConfig` plus what the planner needs
+and the engine does not build yet: Mixture-of-Experts fields (experts, top-k,
+expert FFN width). A dense shape's parameter list is exactly the list of
+`Transformer(cfg).named_parameters()`, in registration order, so the planner can
+replay the engine's bucketing and ZeRO padding element for element.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields, replace
+
+from ultrascale.config import ConfigError
+from ultrascale.model.config import PRESETS, ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    tie_embeddings: bool = False
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    mlp: str = "swiglu"  # swiglu | gelu
+    bias: bool = False
+    # Mixture of Experts: experts = 0 is a dense model. Every block's MLP becomes
+    # `experts` MLPs of width expert_ffn_hidden and a router (h x experts); each
+    # token visits top_k of them.
+    experts: int = 0
+    top_k: int = 1
+    expert_ffn_hidden: int = 0  # 0: ffn_hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.expert_ffn_hidden or self.ffn_hidden
+
+    def validate(self) -> None:
+        for f in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn_hidden"):
+            if getattr(self, f) <= 0:
+                raise ConfigError(f"model {f} must be a positive integer, got {getattr(self, f)}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ConfigError(f"model {self.name}: hidden {self.hidden}, heads {self.heads} and kv heads "
+                              f"{self.kv_heads} must divide each other (hidden % heads, heads % kv_heads)")
+        if self.experts < 0 or (self.experts and not 1 <= self.top_k <= self.experts):
+            raise ConfigError(f"model {self.name}: top_k must be within 1..experts, got {self.top_k} of "
+                              f"{self.experts}")
+
+    # -- parameters -------------------------------------------------------
+    def _mlp_params(self, prefix: str, f: int, tp: int = 1) -> list[tuple[str, int]]:
+        h, bias = self.hidden, self.bias
+        out = []
+        names = ("gate_proj", "up_proj") if self.mlp == "swiglu" else ("up_proj",)
+        for n in names:  # column-parallel: output features sharded
+            out.append((f"{prefix}.{n}.weight", f // tp * h))
+            if bias:
+                out.append((f"{prefix}.{n}.bias", f // tp))
+        out.append((f"{prefix}.down_proj.weight", h * (f // tp)))  # row-parallel: input features sharded
+        if bias:
+            out.append((f"{prefix}.down_proj.bias", h))  # replicated, added once after the reduction
+        return out
+
+    def _norm(self, prefix: str) -> list[tuple[str, int]]:
+        h = self.hidden
+        return [(f"{prefix}.weight", h)] + ([(f"{prefix}.bias", h)] if self.norm == "layernorm" else [])
+
+    def block_params(self, i: int, tp: int = 1) -> list[tuple[str, int]]:
+        """(name, numel) of block i on one tensor-parallel rank, in the order the engine registers them."""
+        h, kv, p = self.hidden, self.kv_dim, f"layers.{i}"
+        out = self._norm(f"{p}.attn_norm")
+        for n, width in (("q_proj", h), ("k_proj", kv), ("v_proj", kv)):
+            out.append((f"{p}.attn.{n}.weight", width // tp * h))
+            if self.bias:
+                out.append((f"{p}.attn.{n}.bias", width // tp))
+        out.append((f"{p}.attn.o_proj.weight", h * (h // tp)))
+        if self.bias:
+            out.append((f"{p}.attn.o_proj.bias", h))
+        out += self._norm(f"{p}.mlp_norm")
+        if self.is_moe:
+            out.append((f"{p}.mlp.router.weight", self.experts * h))
+            for e in range(self.experts):
+                out += self._mlp_params(f"{p}.mlp.experts.{e}", self.expert_ffn, tp)
+        else:
+            out += self._mlp_params(f"{p}.mlp", self.ffn_hidden, tp)
+        return out
+
+    def named_params(self, tp: int = 1) -> list[tuple[str, int]]:
+        """Every parameter of one tensor-parallel rank, in `Transformer.named_parameters()` order.
+        The vocabulary is padded to a multiple of tp and split by rows (embedding and head)."""
+        rows = -(-self.vocab // tp)
+        out = [("embed.weight", rows * self.hidden)]
+        for i in range(self.layers):
+            out += self.block_params(i, tp)
+        out += self._norm("norm")
+        if not self.tie_embeddings:
+            out.append(("head.weight", rows * self.hidden))
+        return out
+
+    def count(self) -> int:
+        return _count(self)
+
+    # Per-block pieces, for sharding by tp / ep and for FLOPs.
+    def attn_params(self) -> int:
+        h, kv = self.hidden, self.kv_dim
+        return 2 * h * h + 2 * h * kv + (2 * h + 2 * kv if self.bias else 0)
+
+    def expert_params(self) -> int:
+        """One MLP (dense) or one expert (MoE)."""
+        return _expert_params(self)
+
+    def norm_params(self) -> int:
+        return self.hidden * (2 if self.norm == "layernorm" else 1)
+
+    def active_params(self) -> int:
+        """Parameters one token multiplies: all of a dense model, top_k of the experts of an MoE."""
+        if not self.is_moe:
+            return self.count()
+        idle = (self.experts - self.top_k) * self.expert_params() * self.layers
+        return self.count() - idle
+
+
+@functools.lru_cache(maxsize=256)
+def _count(shape: ModelShape) -> int:
+    block = sum(n for _, n in shape.block_params(0))
+    outside = shape.vocab * shape.hidden * (1 if shape.tie_embeddings else 2) + shape.norm_params()
+    return outside + shape.layers * block
+
+
+@functools.lru_cache(maxsize=256)
+def _expert_params(shape: ModelShape) -> int:
+    return sum(n for _, n in shape._mlp_params("x", shape.expert_ffn if shape.is_moe else shape.ffn_hidden))
+
+
+def from_model_config(cfg: ModelConfig, **moe) -> ModelShape:
+    return ModelShape(name=cfg.name, vocab=cfg.vocab_size, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
+                      kv_heads=cfg.kv_heads, ffn_hidden=cfg.ffn_hidden, tie_embeddings=cfg.tie_embeddings,
+                      norm=cfg.norm, mlp=cfg.mlp, bias=cfg.bias, **moe)
+
+
+# Planner-only shapes: MoE models the engine cannot build yet.
+MOE_PRESETS = {
+    "mixtral-8x7b": ModelShape(name="mixtral-8x7b", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8,
+                               ffn_hidden=14336, experts=8, top_k=2),
+    "tiny-moe": ModelShape(name="tiny-moe", vocab=257, hidden=64, layers=2, heads=8, kv_heads=4, ffn_hidden=128,
+                           experts=4, top_k=2),
+}
+
+
+def known_models() -> list[str]:
+    return list(PRESETS) + list(MOE_PRESETS)
+
+
+def get_shape(name: str, **overrides) -> ModelShape:
+    """A preset by name (the engine's presets, then the planner's MoE ones), with field overrides."""
+    if name in PRESETS:
+        shape = from_model_config(PRESETS[name])
+    elif name in MOE_PRESETS:
+        shape = MOE_PRESETS[name]
+    else:
+        raise ConfigError(f"unknown model {name!r}: choose one of {', '.join(known_models())}")
+    known = {f.name for f in fields(ModelShape)}
+    extra = {k: v for k, v in overrides.items() if v is not None}
+    bad = set(extra) - known
+    if bad:
+        raise ConfigError(f"unknown model field(s) {', '.join(sorted(bad))}")
+    shape = replace(shape, **extra) if extra else shape
+    shape.validate()
+    return shape

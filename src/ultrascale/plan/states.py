@@ -1,0 +1,198 @@
+"""Model states per rank: parameters, gradients, optimizer (the three owners ZeRO shards).
+
+Formulas (ZeRO paper, Rajbhandari et al. 2020; the playbook's ZeRO section),
+with Psi the parameters a rank's model slice holds, N_d the ZeRO group (dp x cp
+ranks, the engine's dp_cp group), b / g / k the recipe's bytes (precision.py):
+
+  ZeRO-0  b·Psi + g·Psi + k·Psi
+  ZeRO-1  b·Psi + g·Psi + k·Psi/N_d
+  ZeRO-2  b·Psi + (g + k)·Psi/N_d
+  ZeRO-3  (b + g + k)·Psi/N_d
+
+The model slice: tp divides every attention and MLP matrix and the (padded)
+vocabulary; norms (and row-parallel biases) are replicated; pp gives stage i its
+layers, the embedding to the first stage and the final norm and head to the last
+(with tied embeddings the last stage holds its own copy of the matrix); ep gives
+each rank experts/ep experts, sharded over the dp x cp / ep ranks that hold
+the same experts.
+
+Exact for the engine: with cp = ep = 1 (any dp, tp, pp, ZeRO stage) the engine's
+per-rank parameter list, buckets and ZeRO-3 units are replayed element for
+element (`engine_states`): padding to a multiple of N_d, the shards each rank
+owns, and the optimizer's one-element pieces that the memory meter does not count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ultrascale.plan.activations import padded_vocab
+from ultrascale.plan.precision import Precision
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_layer_ids(shape, pp: int, partition: str = "even", chunks: int = 1):
+    """(block ids, holds the embedding, holds the head) for each pipeline rank.
+
+    even:    the engine's split (parallel/pipeline/stage.py): L blocks over pp x chunks virtual
+             stages, in order, the first ones taking one more; rank r holds virtual stages
+             c·pp + r; the embedding sits on rank 0, the final norm and head on rank pp - 1.
+    compute: nanotron's rule: the pipeline blocks in order (embedding: cost 0; each block:
+             4·a·d·h + 3·f·h; head: v·h), each stage taking blocks until the running cost
+             exceeds (stage + 1)/pp of the total, so the stage that crosses keeps the block.
+    """
+    if partition == "even":
+        n = pp * chunks
+        base, extra = divmod(shape.layers, n)
+        starts = [s * base + min(s, extra) for s in range(n + 1)]
+        ranks = []
+        for r in range(pp):
+            ids = [i for c in range(chunks) for i in range(starts[c * pp + r], starts[c * pp + r + 1])]
+            ranks.append((tuple(ids), r == 0, r == pp - 1))
+        return tuple(ranks)
+    block_cost = 4 * shape.heads * shape.head_dim * shape.hidden + 3 * shape.ffn_hidden * shape.hidden
+    costs = [0] + [block_cost] * shape.layers + [shape.vocab * shape.hidden]
+    total = sum(costs)
+    stages = [[[], False, False] for _ in range(pp)]
+    rank, cumulative = 0, 0
+    for i, c in enumerate(costs):
+        cumulative += c
+        rank = min(rank, pp - 1)
+        if i == 0:
+            stages[rank][1] = True
+        elif i == len(costs) - 1:
+            stages[rank][2] = True
+        else:
+            stages[rank][0].append(i - 1)
+        if cumulative > total * (rank + 1) / pp:
+            rank += 1
+    return tuple((tuple(ids), e, h) for ids, e, h in stages)
+
+
+def chunk_layers(shape, pp: int, chunks: int, rank: int) -> list[int]:
+    """Blocks in each of rank's chunks (virtual stages c·pp + rank) under the even split."""
+    base, extra = divmod(shape.layers, pp * chunks)
+    return [base + (1 if c * pp + rank < extra else 0) for c in range(chunks)]
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_blocks(shape, pp: int, partition: str = "even", chunks: int = 1) -> tuple[tuple[int, bool, bool], ...]:
+    """(number of blocks, holds the embedding, holds the head) for each pipeline rank."""
+    return tuple((len(ids), e, h) for ids, e, h in stage_layer_ids(shape, pp, partition, chunks))
+
+
+def stage_params(shape, lay, blocks: tuple[int, bool, bool]) -> tuple[float, float]:
+    """(dense, expert) parameters held by one rank of a pipeline stage holding `blocks`."""
+    tp = lay.tp
+    h = shape.hidden
+    n_layers, has_embed, has_head = blocks
+    attn = shape.attn_params() / tp + (h if shape.bias else 0) * (1 - 1 / tp)  # o_proj bias is replicated
+    norms = 2 * shape.norm_params()
+    dense_layer, expert_layer = attn + norms, 0.0
+    if shape.is_moe:
+        dense_layer += shape.experts * h  # the router, replicated
+        expert_layer = shape.experts // lay.ep * shape.expert_params() / tp
+    else:
+        dense_layer += shape.expert_params() / tp + (h if shape.bias else 0) * (1 - 1 / tp)
+    dense = n_layers * dense_layer
+    vocab_rows = padded_vocab(shape, tp) // tp
+    if has_embed:
+        dense += vocab_rows * h
+    if has_head:
+        dense += shape.norm_params()
+        if not shape.tie_embeddings or not has_embed:
+            dense += vocab_rows * h
+    return dense, n_layers * expert_layer
+
+
+def model_states(shape, lay, prec: Precision, blocks=None) -> dict:
+    """{"params", "grads", "optim"} bytes of one rank of a stage holding `blocks` (the closed forms above)."""
+    dense, expert = stage_params(shape, lay, blocks or (shape.layers, True, True))
+    n_dense = lay.dp * lay.cp
+    n_expert = max(1, n_dense // lay.ep)
+    z = lay.zero
+
+    def sharded(count, stage_needed, n):
+        return count / n if z >= stage_needed else count
+
+    def owner(bytes_per_param, stage_needed):
+        return bytes_per_param * (sharded(dense, stage_needed, n_dense) + sharded(expert, stage_needed, n_expert))
+
+    return {"params": owner(prec.param_bytes, 3), "grads": owner(prec.grad_bytes, 2),
+            "optim": owner(prec.optim_bytes, 1), "param_count": dense + expert}
+
+
+# -- the engine, element for element -----------------------------------------
+def _buckets(named, cap_bytes: float, pad_to: int) -> list[tuple[list[int], int]]:
+    """ultrascale.parallel.buckets.make_buckets on (name, numel) pairs: [(sizes, padded numel)]."""
+    buckets, current, size = [], [], 0
+    for _, n in reversed(named):
+        if current and size + 4 * n > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(n)
+        size += 4 * n
+    if current:
+        buckets.append(current)
+    return [(b, -(-sum(b) // pad_to) * pad_to) for b in buckets]
+
+
+def rank_params(shape, tp: int, stage=None) -> list[tuple[str, int]]:
+    """(name, numel) of one rank in the engine's registration order; `stage` = (block ids,
+    embedding, head) of its pipeline rank (None: the whole model)."""
+    if stage is None:
+        return shape.named_params(tp)
+    ids, embed, head = stage
+    full = shape.named_params(tp)
+    out = [full[0]] if embed else []
+    for i in ids:
+        out += shape.block_params(i, tp)
+    if head:
+        out += [(n, k) for n, k in full if n.startswith("norm.") or n == "head.weight"]
+    return out
+
+
+def _zero3_units(shape, tp: int, world: int, stage) -> list[tuple[list[int], int]]:
+    """ultrascale.parallel.zero3._units: one unit per block (last first), then the rest."""
+    named = rank_params(shape, tp, stage)
+    ids = stage[0] if stage is not None else range(shape.layers)
+    units = [[n for _, n in shape.block_params(i, tp)] for i in reversed(ids)]
+    in_blocks = {name for i in ids for name, _ in shape.block_params(i, tp)}
+    rest = [n for name, n in named if name not in in_blocks]
+    if rest:
+        units.append(rest)
+    return [(u, -(-sum(u) // world) * world) for u in units]
+
+
+def _pieces(sizes: list[int], padded: int, rank: int, world: int) -> list[int]:
+    """Sizes of the parameter pieces inside rank's shard [rank·padded/world, (rank+1)·padded/world)."""
+    lo, hi = rank * padded // world, (rank + 1) * padded // world
+    out, off = [], 0
+    for n in sizes:
+        start, end = max(lo, off), min(hi, off + n)
+        if start < end:
+            out.append(end - start)
+        off += n
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def engine_states(shape, prec: Precision, dp: int, zero: int, bucket_mb: float, rank: int, tp: int = 1,
+                  stage=None) -> dict:
+    """What the engine's memory meter reports for data-parallel rank `rank` of a tensor-parallel rank
+    holding pipeline `stage` (stage_layer_ids' entry; None: the whole model)."""
+    named = rank_params(shape, tp, stage)
+    psi = sum(n for _, n in named)
+    b, mixed = prec.param_bytes, prec.param_bytes != 4
+    if zero == 0:
+        moments = 8 * sum(n for _, n in named if n > 1)  # AdamW's step counter (1 element) is bookkeeping
+        return {"params": b * psi, "grads": 4 * psi, "optim": moments + (4 * psi if mixed else 0)}
+    units = _zero3_units(shape, tp, dp, stage) if zero == 3 else _buckets(named, bucket_mb * 2**20, dp)
+    params = grads = optim = 0
+    for sizes, padded in units:
+        pieces = _pieces(sizes, padded, rank, dp)
+        params += b * (padded // dp if zero == 3 else padded)
+        if pieces:  # a shard of pure padding holds no gradient view
+            grads += 4 * (padded if zero == 1 else padded // dp)
+        optim += sum(8 * n for n in pieces if n > 1) + (4 * sum(pieces) if mixed else 0)
+    return {"params": params, "grads": grads, "optim": optim}

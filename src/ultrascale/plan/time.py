@@ -1,0 +1,244 @@
+"""Step time: compute from FLOPs, communication per collective, what hides behind what.
+
+Compute. Training FLOPs per token are 6N + 12·L·h·s (the playbook's count: 2N
+forward, 4N backward, plus the attention scores and values); a rank does its
+stage's share (its blocks, the head's matmul on the stage holding it), divided
+by tp·cp. Recomputation adds a forward: full, 2N_blocks + 4·L·h·s per token;
+selective, the attention core's 4·L·h·s. Time = FLOPs / (peak x mfu), mfu being
+the framework's achievable fraction (calibration.py), plus a fixed cost per
+block per micro-batch (kernel launches and the small kernels between matmuls).
+
+Collectives, ring algorithms over n ranks, message of B bytes on a link of
+bandwidth W and per-step latency alpha (the playbook's appendix A0; Thakur et
+al. 2005):
+  all-reduce            2(n-1)/n · B/W + 2(n-1)·alpha
+  reduce-scatter,
+  all-gather            (n-1)/n · B/W + (n-1)·alpha    (B: the full, unsharded size)
+  all-to-all            (n-1)/n · B/W + (n-1)·alpha
+  send/recv             B/W + alpha
+A group whose ranks are all inside one node uses NVLink, otherwise InfiniBand
+(the slowest link of a ring sets its pace). Ranks are laid out dp x pp x cp x
+tp with tp innermost: a group of stride k and size n stays in a node when k·n <=
+node size.
+
+Overlap (the playbook's appendix A3: communication hides when the compute it
+runs beside takes longer): the data-parallel gradient reduction runs beside the
+last micro-batch's backward, and only what exceeds it, plus the last bucket,
+shows; ZeRO-3's gathers and reduce-scatters run beside each micro-batch's
+compute; ring attention's K/V passes run beside the attention blocks. Tensor
+parallel and expert all-to-all collectives sit on the critical path (their
+consumers wait for them) and are counted whole; so are ZeRO-1/2's parameter
+all-gather after the optimizer step and the pipeline's sends. The pipeline
+bubble is bubble.py's fraction of the micro-batches' time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from ultrascale.plan.bubble import bubble_fraction
+from ultrascale.plan.hardware import Link
+from ultrascale.plan.precision import get_precision
+from ultrascale.plan.states import stage_blocks, stage_params
+
+RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1}
+
+
+def latency_steps(n: int) -> int:
+    """Latency terms of one collective: NCCL picks the better of a ring (n - 1 steps) and a tree
+    (2·log2 n steps: up and down a binary tree)."""
+    return min(n - 1, 2 * math.ceil(math.log2(n)))
+
+
+def ring_time(kind: str, nbytes: float, n: int, link) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return RING_STEPS[kind] * ((n - 1) / n * nbytes / link.bandwidth + latency_steps(n) * link.latency)
+
+
+def p2p_time(nbytes: float, link) -> float:
+    return nbytes / link.bandwidth + link.latency
+
+
+def link_of(gpu, lay, dim: str) -> Link:
+    """The link the `dim` group of `lay` communicates over (cached: the search asks often)."""
+    return _link(gpu.node_size, gpu.intra, gpu.inter, lay.dp, lay.pp, lay.cp, lay.tp, lay.ep, dim)
+
+
+@functools.lru_cache(maxsize=4096)
+def _link(node_size, intra, inter, dp, pp, cp, tp, ep, dim) -> Link:
+    grid = _Grid(dp, pp, cp, tp, ep)
+    return group_link(_Nodes(node_size, intra, inter), group_ranks(grid, dim))
+
+
+@dataclass(frozen=True)
+class _Grid:
+    dp: int
+    pp: int
+    cp: int
+    tp: int
+    ep: int
+
+
+@dataclass(frozen=True)
+class _Nodes:
+    node_size: int
+    intra: Link
+    inter: Link
+
+
+def group_ranks(lay, dim: str) -> list[int]:
+    """The global ranks of the `dim` group that holds rank 0, in the engine's grid: rank =
+    ((dp_i·pp + pp_i)·cp + cp_i)·tp + tp_i (tp innermost). Expert groups are consecutive dp ranks;
+    data parallelism reduces over dp x cp."""
+    def rank(d=0, p=0, c=0, t=0):
+        return ((d * lay.pp + p) * lay.cp + c) * lay.tp + t
+    if dim == "tp":
+        return [rank(t=t) for t in range(lay.tp)]
+    if dim == "cp":
+        return [rank(c=c) for c in range(lay.cp)]
+    if dim == "pp_next":  # a stage and the next: what a pipeline send crosses
+        return [rank(p=0), rank(p=1)]
+    if dim == "ep":
+        return [rank(d=d) for d in range(lay.ep)]
+    return [rank(d=d, c=c) for d in range(lay.dp) for c in range(lay.cp)]  # "dp": the dp x cp group
+
+
+def group_link(gpu, ranks: list[int]) -> Link:
+    """The link a ring over `ranks` runs at.
+
+    Inside a node: NVLink. Across nodes the ring's node-crossing hops set the pace; NCCL runs one
+    channel per NIC, so a group with g members in each node drives g NICs at once: bandwidth
+    g x the per-GPU InfiniBand bandwidth (never above NVLink's), latency the inter-node one.
+    """
+    per_node = {}
+    for r in ranks:
+        per_node[r // gpu.node_size] = per_node.get(r // gpu.node_size, 0) + 1
+    if len(per_node) <= 1:
+        return gpu.intra
+    members = min(per_node.values())
+    return Link(gpu.inter.name, min(gpu.intra.bandwidth, members * gpu.inter.bandwidth), gpu.inter.latency)
+
+
+def playbook_flops_per_token(shape, seq_len: int) -> float:
+    """6N + 12·L·h·s, N all parameters (active ones for an MoE): what the playbook's MFU divides by."""
+    return 6 * shape.active_params() + 12 * shape.layers * shape.hidden * seq_len
+
+
+@dataclass
+class StepTime:
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    breakdown: dict  # seconds per optimizer step, by cause
+
+    def as_dict(self) -> dict:
+        return {"step_s": self.step_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                "breakdown_s": dict(self.breakdown)}
+
+
+def _stage_flops(shape, lay, blocks, tokens) -> tuple[float, float]:
+    """(FLOPs, recompute FLOPs) of one micro-batch on one rank of a stage holding `blocks`."""
+    n_layers, _, has_head = blocks
+    h, s = shape.hidden, lay.seq_len
+    block_params = (shape.active_params() - shape.vocab * shape.hidden * (1 if shape.tie_embeddings else 2)
+                    - shape.norm_params()) / shape.layers
+    attn = 12 * h * s * n_layers
+    flops = 6 * block_params * n_layers + attn + (6 * shape.vocab * h if has_head else 0)
+    extra = {"none": 0.0, "selective": attn / 3, "full": 2 * block_params * n_layers + attn / 3}[lay.recompute]
+    div = lay.tp * lay.cp
+    return tokens * flops / div, tokens * extra / div
+
+
+def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
+    """Seconds of one micro-batch (forward and backward) on one rank of a stage holding `blocks`."""
+    b = get_precision(lay.precision).act_bytes
+    tokens = lay.micro_batch * lay.seq_len
+    n_layers = blocks[0]
+    flops, extra = _stage_flops(shape, lay, blocks, tokens)
+    t = {"compute": flops / (peak * fw.mfu), "recompute": extra / (peak * fw.mfu),
+         "kernel_overhead": fw.layer_overhead_s * n_layers + fw.microbatch_overhead_s}
+    act_full = tokens * b * shape.hidden / lay.cp  # one full activation of a micro-batch
+    tp_link = link_of(gpu, lay, "tp")
+    if lay.sp_on:
+        # Per block: 2 all-gathers + 2 reduce-scatters forward, their conjugates backward, and 2 more
+        # all-gathers where the framework keeps only the shard of a linear's input (re-gather).
+        gathers = 4 if fw.sp_keeps_gathered_input else 6
+        tp = n_layers * (gathers * ring_time("all_gather", act_full, lay.tp, tp_link)
+                         + 4 * ring_time("reduce_scatter", act_full, lay.tp, tp_link))
+    else:  # 2 all-reduces forward, 2 backward
+        tp = n_layers * 4 * ring_time("all_reduce", act_full, lay.tp, tp_link)
+    if blocks[1] or blocks[2]:  # vocabulary-parallel embedding / head
+        tp += 2 * ring_time("all_gather" if lay.sp_on else "all_reduce", act_full, lay.tp, tp_link)
+    t["tp_comm"] = tp
+    t["cp_comm"] = 0.0
+    if lay.cp > 1:
+        # Ring attention: cp - 1 K/V passes forward, twice that backward (K/V, then dK/dV), beside the
+        # attention blocks' compute (12·h·s of the 6·N_block + 12·h·s FLOPs per token and block).
+        cp_link = link_of(gpu, lay, "cp")
+        kv_block = 2 * tokens / lay.cp * shape.kv_dim * b / lay.tp
+        ring = 3 * (lay.cp - 1) * p2p_time(kv_block, cp_link) * n_layers
+        attn_flops = tokens * 12 * shape.hidden * lay.seq_len * n_layers / (lay.tp * lay.cp)
+        t["cp_comm"] = max(0.0, ring - attn_flops / (peak * fw.mfu))
+    t["ep_comm"] = 0.0
+    if lay.ep > 1:  # dispatch and combine, forward and backward, each an all-to-all of top_k copies
+        ep_link = link_of(gpu, lay, "ep")
+        t["ep_comm"] = n_layers * 4 * ring_time("all_to_all", shape.top_k * act_full, lay.ep, ep_link)
+    t["pp_comm"] = 0.0
+    if lay.pp > 1:  # receive the input forward, the gradient backward (once per chunk, interleaved)
+        pp_link = link_of(gpu, lay, "pp_next")
+        t["pp_comm"] = 2 * lay.chunks * p2p_time(act_full / (lay.tp if lay.sp_on else 1), pp_link)
+    return t
+
+
+def _collectives(kind, nbytes, n, link, bucket_bytes) -> float:
+    """A reduction of nbytes cut into buckets: one bandwidth term, one latency term per bucket."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    buckets = max(1, -(-nbytes // bucket_bytes))
+    return RING_STEPS[kind] * ((n - 1) / n * nbytes / link.bandwidth + buckets * latency_steps(n) * link.latency)
+
+
+def step_time(shape, lay, gpu, fw) -> StepTime:
+    prec = get_precision(lay.precision)
+    peak = gpu.peak_flops["fp32" if prec.act_bytes == 4 else "bf16"]
+    stages = stage_blocks(shape, lay.pp, fw.partition, lay.chunks)
+    per_stage = [_stage_time(shape, lay, gpu, fw, blk, peak) for blk in stages]
+    slow = max(range(len(stages)), key=lambda i: sum(per_stage[i].values()))
+    t = per_stage[slow]  # the slowest stage sets the pipeline's pace
+    per_mb = sum(t.values())
+    m = lay.grad_accum
+    bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.chunks) * m * (per_mb - t["pp_comm"])
+    backward = (t["compute"] + t["recompute"]) * 2 / 3  # backward is 4 of the 6 FLOPs per parameter
+
+    # Data parallelism over dp x cp ranks, outermost in the grid.
+    n = lay.dp * lay.cp
+    dp_link = link_of(gpu, lay, "dp")
+    dense, expert = stage_params(shape, lay, stages[slow])
+    psi = dense + expert
+    grad_b = 4 if prec.fp32_grad_bytes else prec.param_bytes
+    cap = lay.bucket_mb * 2**20
+    last_bucket = ring_time("all_reduce", min(cap, psi * grad_b), n, dp_link)
+    if lay.zero == 0:
+        dp = max(0.0, _collectives("all_reduce", psi * grad_b, n, dp_link, cap) - backward) + last_bucket
+    elif lay.zero in (1, 2):
+        rs = _collectives("reduce_scatter", psi * grad_b, n, dp_link, cap)
+        # ZeRO-2 reduce-scatters every micro-batch (each beside its own backward), ZeRO-1 once.
+        dp = (m if lay.zero == 2 else 1) * max(0.0, rs - backward) + last_bucket / 2
+        dp += _collectives("all_gather", psi * prec.param_bytes, n, dp_link, cap)  # after the step
+    else:
+        per_mb_comm = (2 * _collectives("all_gather", psi * prec.param_bytes, n, dp_link, cap)
+                       + _collectives("reduce_scatter", psi * grad_b, n, dp_link, cap))
+        dp = m * max(0.0, per_mb_comm - t["compute"] - t["recompute"])
+    shard = psi / (n if lay.zero else 1)
+    # AdamW reads and writes the fp32 master and both moments, reads the gradient, writes the parameter.
+    optimizer = shard * (4 + 4 + 8 + 8 + grad_b + prec.param_bytes) / gpu.hbm_bandwidth
+
+    step = m * per_mb + bubble + dp + optimizer
+    breakdown = {k: m * v for k, v in t.items()}
+    breakdown.update(bubble=bubble, dp_comm=dp, optimizer=optimizer)
+    tps = lay.tokens_per_step / step / lay.world
+    mfu = tps * playbook_flops_per_token(shape, lay.seq_len) / peak
+    return StepTime(step, tps, mfu, breakdown)

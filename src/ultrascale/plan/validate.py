@@ -1,0 +1,135 @@
+"""The planner against the playbook's published H100 runs (playbook_benchmarks.csv).
+
+Three figures, each with its goal:
+- fit / no-fit accuracy over all runs: a run fits when it finished, or when it
+  failed but the same configuration also finished elsewhere (then the failure
+  was not memory, as the data's README says); the planner says it fits when its
+  per-GPU total (overhead included) is within the GPU's memory;
+- median absolute error of the predicted peak over the runs that finished: the
+  CSV's peak_memory_gb is read as GiB (2^30 bytes) logged by the caching
+  allocator, so it is compared with the planner's total less the CUDA context
+  (which the allocator does not see);
+- mean Spearman rank correlation of predicted vs measured tokens/s/GPU within
+  each (model, nodes) group of finished runs.
+
+The runs share one recipe (the data's README): H100 80 GB, 8 GPUs per node,
+sequence 4096, global batch 256 sequences, bf16 with fp32 gradient accumulation,
+AdamW, 1F1B, TP with sequence parallelism, FlashAttention, no recomputation.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import statistics
+from collections import defaultdict
+from importlib import resources
+from pathlib import Path
+
+from ultrascale.config import ConfigError
+from ultrascale.plan.calibration import GIB, get_framework
+from ultrascale.plan.hardware import get_gpu
+from ultrascale.plan.layout import Layout
+from ultrascale.plan.memory import memory_plan
+from ultrascale.plan.shape import get_shape
+from ultrascale.plan.time import step_time
+
+GOALS = {"accuracy": 0.90, "median_memory_error": 0.10, "mean_spearman": 0.70}
+CSV_NAME = "playbook_benchmarks.csv"
+
+
+def default_csv() -> Path | None:
+    """../shared/data/playbook_benchmarks.csv beside the repository, if this is a checkout that has it."""
+    repo = Path(__file__).resolve().parents[3]
+    path = repo.parent / "shared" / "data" / CSV_NAME
+    return path if path.is_file() else None
+
+
+def load_rows(path: str | None = None) -> tuple[list[dict], str]:
+    """The runs, and where they came from: --data, else the shared copy, else the packaged one."""
+    if path:
+        try:
+            with open(path, newline="") as f:
+                return list(csv.DictReader(f)), path
+        except OSError as e:
+            raise ConfigError(f"--data {path}: {e.strerror or e}") from None
+    shared = default_csv()
+    if shared is not None:
+        with open(shared, newline="") as f:
+            return list(csv.DictReader(f)), str(shared)
+    text = resources.files("ultrascale.plan").joinpath("data", CSV_NAME).read_text()
+    return list(csv.DictReader(io.StringIO(text))), f"{CSV_NAME} (packaged copy)"
+
+
+def row_layout(r: dict) -> Layout:
+    seqs = int(r["global_batch_seqs"])
+    return Layout(dp=int(r["dp"]), tp=int(r["tp"]), pp=int(r["pp"]), zero=int(r["zero_stage"]),
+                  micro_batch=int(r["micro_batch"]), grad_accum=seqs // (int(r["micro_batch"]) * int(r["dp"])),
+                  seq_len=4096, precision="bf16-fp32-accum", sp=True, schedule="1f1b", recompute="none")
+
+
+def _ranks(xs):
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks, i = [0.0] * len(xs), 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2  # ties share their mean rank
+        i = j + 1
+    return ranks
+
+
+def spearman(a, b) -> float:
+    """Spearman's rho: Pearson's correlation of the ranks (average ranks for ties)."""
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return num / den if den else 0.0
+
+
+def validate(rows: list[dict], framework: str = "playbook", gpu_name: str = "h100-80gb") -> dict:
+    fw, gpu = get_framework(framework), get_gpu(gpu_name)
+    key = ("model", "nodes", "micro_batch", "grad_accum", "dp", "pp", "tp", "zero_stage")
+    finished = {tuple(r[k] for k in key) for r in rows if r["status"] == "ok"}
+    correct, errors = 0, []
+    groups = defaultdict(lambda: ([], []))
+    for r in rows:
+        shape, lay = get_shape(r["model"].lower()), row_layout(r)
+        peak = memory_plan(shape, lay, fw).peak
+        fits = tuple(r[k] for k in key) in finished
+        correct += (peak.total <= gpu.memory_bytes) == fits
+        if r["status"] == "ok":
+            measured = float(r["peak_memory_gb"]) * GIB
+            errors.append(abs(peak.total - fw.context_bytes - measured) / measured)
+            g = groups[(r["model"], int(r["nodes"]))]
+            g[0].append(float(r["tokens_per_s_per_gpu"]))
+            g[1].append(step_time(shape, lay, gpu, fw).tokens_per_s_per_gpu)
+    rho = {f"{m} x {n} nodes": spearman(a, b) for (m, n), (a, b) in sorted(groups.items(), key=lambda kv: (
+        float(kv[0][0][:-1]), kv[0][1])) if len(a) >= 3}
+    figures = {"runs": len(rows), "finished": len(errors), "accuracy": correct / len(rows),
+               "median_memory_error": statistics.median(errors), "mean_spearman": statistics.fmean(rho.values()),
+               "spearman_by_group": rho, "framework": framework, "gpu": gpu_name}
+    figures["goals_met"] = (figures["accuracy"] >= GOALS["accuracy"]
+                            and figures["median_memory_error"] <= GOALS["median_memory_error"]
+                            and figures["mean_spearman"] >= GOALS["mean_spearman"])
+    return figures
+
+
+def report_lines(f: dict, source: str) -> list[str]:
+    ok = lambda met: "met" if met else "MISSED"  # noqa: E731
+    out = [f"playbook benchmark runs: {source}",
+           f"{f['runs']:,} runs, {f['finished']:,} finished; framework {f['framework']}, {f['gpu']}",
+           f"fit / no-fit accuracy:                 {100 * f['accuracy']:5.1f}%  (goal >= 90%: "
+           f"{ok(f['accuracy'] >= GOALS['accuracy'])})",
+           f"median |peak memory error| (finished): {100 * f['median_memory_error']:5.1f}%  (goal <= 10%: "
+           f"{ok(f['median_memory_error'] <= GOALS['median_memory_error'])})",
+           f"mean Spearman, tokens/s/GPU by group:  {f['mean_spearman']:5.3f}   (goal >= 0.7: "
+           f"{ok(f['mean_spearman'] >= GOALS['mean_spearman'])})",
+           "Spearman by (model, nodes):"]
+    items = list(f["spearman_by_group"].items())
+    for i in range(0, len(items), 4):
+        out.append("  " + "  ".join(f"{k:<15}{v:6.3f}" for k, v in items[i:i + 4]))
+    return out

@@ -1,0 +1,283 @@
+"""The planner's formulas, its command line, and its figures on the playbook's measurements."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ultrascale.cli import main
+from ultrascale.model import PRESETS, build_model, count_params, get_preset
+from ultrascale.plan.bubble import bubble_fraction, in_flight
+from ultrascale.plan.calibration import GIB, get_framework
+from ultrascale.plan.hardware import Link, get_gpu
+from ultrascale.plan.layout import Layout
+from ultrascale.plan.memory import memory_plan
+from ultrascale.plan.shape import from_model_config, get_shape
+from ultrascale.plan.time import ring_time, step_time
+
+LLAMA3_8B = 8_030_261_248  # Meta's published count for Llama 3 8B
+
+
+def cli(capsys, *args):
+    """Run `ultrascale ...` in this process: (exit code, stdout, stderr)."""
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def memory_json(capsys, *args):
+    code, out, err = cli(capsys, "plan", "memory", *args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+# -- shapes ---------------------------------------------------------------------
+@pytest.mark.parametrize("overrides", [{}, dict(norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True)])
+def test_parameter_list_is_the_modules(overrides):
+    cfg = get_preset("tiny", **overrides)
+    model = build_model(cfg, 0)
+    assert from_model_config(cfg).named_params() == [(n, p.numel()) for n, p in model.named_parameters()]
+
+
+def test_counts_match_the_model_and_llama3_8b():
+    for name, cfg in PRESETS.items():
+        assert get_shape(name).count() == count_params(cfg), name
+    assert get_shape("llama3-8b").count() == LLAMA3_8B
+
+
+# -- the playbook's formulas on Llama 3 8B ----------------------------------------
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision,b,g,k", [("bf16", 2, 2, 12), ("fp32", 4, 4, 8), ("bf16-fp32-accum", 2, 6, 12),
+                                             ("bf16-fp32-grads", 2, 4, 12)])
+def test_model_states_follow_the_zero_formulas(capsys, zero, precision, b, g, k):
+    out = memory_json(capsys, "--model", "llama3-8b", "--dp", "8", "--zero", str(zero), "--micro-batch", "1",
+                      "--seq-len", "4096", "--precision", precision)
+    psi, n = LLAMA3_8B, 8
+    assert out["param_count"] == psi
+    mem = out["memory"]
+    assert mem["params"] == b * psi // (n if zero >= 3 else 1)
+    assert mem["grads"] == g * psi // (n if zero >= 2 else 1)
+    assert mem["optim"] == k * psi // (n if zero >= 1 else 1)
+
+
+def test_the_checked_command_gives_the_playbook_numbers(capsys):
+    out = memory_json(capsys, "--model", "llama3-8b", "--dp", "8", "--zero", "1", "--micro-batch", "1",
+                      "--seq-len", "4096")
+    # bf16 mixed precision, ZeRO-1 over 8 ranks: 2Ψ + 2Ψ + 12Ψ/8 (the playbook's ZeRO section).
+    assert (out["memory"]["params"], out["memory"]["grads"], out["memory"]["optim"]) == (
+        16_060_522_496, 16_060_522_496, 12_045_391_872)
+
+
+def test_tensor_parallel_shards_every_matrix_and_the_padded_vocabulary(capsys):
+    h, kv, f, v, L = 4096, 1024, 14336, 128256, 32
+    per_block = (2 * h * h + 2 * h * kv + 3 * h * f) // 4 + 2 * h  # norms replicated
+    psi = L * per_block + 2 * (v // 4) * h + h  # 128256 divides by 4: no padding rows
+    out = memory_json(capsys, "--model", "llama3-8b", "--tp", "4", "--precision", "fp32")
+    assert out["memory"]["params"] == 4 * psi
+
+
+def test_pipeline_stage_holds_its_blocks_and_in_flight_micro_batches(capsys):
+    one = memory_json(capsys, "--model", "llama3-8b", "--tp", "1", "--pp", "1", "--grad-accum", "8")
+    four = memory_json(capsys, "--model", "llama3-8b", "--pp", "4", "--grad-accum", "8", "--framework",
+                       "ultrascale")
+    afab = memory_json(capsys, "--model", "llama3-8b", "--pp", "4", "--grad-accum", "8", "--schedule", "afab",
+                       "--framework", "ultrascale")
+    first = four["memory"]["stages"][0]
+    # 1F1B: the first of 4 stages holds 4 micro-batches of its 8 blocks; AFAB holds all 8.
+    assert four["memory"]["stage"] == 0 and four["memory"]["in_flight_micro_batches"] == 4
+    assert afab["memory"]["stages"][0]["activations"] == pytest.approx(2 * first["activations"], rel=1e-12)
+    assert one["memory"]["activations"] > 0
+
+
+def test_schedule_closed_forms():
+    assert bubble_fraction("1f1b", 4, 8) == 3 / 8 and bubble_fraction("afab", 4, 8) == 3 / 8
+    assert bubble_fraction("interleaved", 4, 8, 2) == 3 / 16
+    assert bubble_fraction("zero-bubble", 4, 8) == 3 / 24
+    assert bubble_fraction("zero-bubble", 4, 2) == (3 + 2) / 6  # fewer micro-batches than stages
+    assert bubble_fraction("1f1b", 1, 8) == 0
+    assert [in_flight("1f1b", 4, 8, 1, s) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight("1f1b", 4, 2, 1, 0) == 2  # never more than there are micro-batches
+    assert in_flight("afab", 4, 8, 1, 3) == 8
+    # Megatron's interleaved warm-up on rank 0: 2(p - 1) + (v - 1)p chunks, plus the one in steady state.
+    assert in_flight("interleaved", 4, 8, 2, 0) == (2 * 3 + 1 * 4 + 1) / 2
+
+
+def _held_until_input_gradient(actions):
+    held, peak = set(), 0
+    for a in actions:
+        if a.kind == "F":
+            held.add((a.micro, a.chunk))
+            peak = max(peak, len(held))
+        elif a.kind in ("B", "I"):
+            held.discard((a.micro, a.chunk))
+    return peak
+
+
+def test_closed_forms_equal_the_engines_schedules():
+    from ultrascale.parallel.pipeline import schedule, simulate
+
+    for name in ("afab", "1f1b", "interleaved", "zero-bubble"):
+        for p in (2, 3, 4, 8):
+            for m in (1, 2, 3, 4, 6, 8, 16):
+                for v in ((2, 3) if name == "interleaved" else (1,)):
+                    if name == "interleaved" and m % p:
+                        continue  # the schedule takes micro-batches in groups of p
+                    actions = schedule(name, p, m, v)
+                    timeline = simulate(actions, p, v, t_f=1.0, t_b=1.0, t_w=1.0)
+                    assert bubble_fraction(name, p, m, v) == pytest.approx(timeline.bubble_ratio, abs=1e-12), \
+                        (name, p, m, v)
+                    held = [_held_until_input_gradient(a) for a in actions]
+                    assert [in_flight(name, p, m, v, r) * v for r in range(p)] == pytest.approx(held), (name, p, m, v)
+
+
+def test_sequence_parallelism_divides_what_tensor_parallelism_leaves():
+    shape = get_shape("llama3-8b")
+    fw = get_framework("playbook")  # keeps only the shard of an all-gathered input (re-gathers in backward)
+    tp1 = memory_plan(shape, Layout(tp=1), fw).peak.terms["activations"]
+    sp = memory_plan(shape, Layout(tp=8, sp=True), fw).peak.terms["activations"]
+    no_sp = memory_plan(shape, Layout(tp=8, sp=False), fw).peak.terms["activations"]
+    assert sp < no_sp < tp1
+    # Without SP the norms' inputs (bf16) and rstd (fp32), and their outputs (the column-parallel
+    # linears' inputs), stay whole on every rank: 2 per block, 1 final. SP keeps 1/8 of them.
+    tokens, h = 4096, 4096
+    per_norm = 2 * h + 4 + 2 * h
+    assert no_sp - sp == pytest.approx(tokens * (2 * 32 + 1) * per_norm * (1 - 1 / 8), rel=1e-12)
+
+
+# -- time -------------------------------------------------------------------------------
+def test_ring_collectives():
+    link = Link("test", 100e9, 0.0)
+    assert ring_time("all_reduce", 8e9, 8, link) == pytest.approx(2 * 7 / 8 * 8e9 / 100e9)
+    assert ring_time("all_gather", 8e9, 8, link) == pytest.approx(7 / 8 * 8e9 / 100e9)
+    assert ring_time("all_reduce", 8e9, 1, link) == 0
+
+
+def test_tensor_parallelism_across_nodes_is_slower():
+    shape, gpu, fw = get_shape("llama3-8b"), get_gpu("h100-80gb"), get_framework("playbook")
+    inside = step_time(shape, Layout(dp=2, tp=8, grad_accum=128), gpu, fw)
+    across = step_time(shape, Layout(dp=1, tp=16, grad_accum=256), gpu, fw)
+    assert across.breakdown["tp_comm"] > 2 * inside.breakdown["tp_comm"]
+    assert across.tokens_per_s_per_gpu < inside.tokens_per_s_per_gpu
+
+
+# -- search ---------------------------------------------------------------------------
+def test_llama3_70b_on_8_h100_never_answers_over_80_gb(capsys):
+    code, out, err = cli(capsys, "plan", "--model", "llama3-70b", "--gpus", "8", "--gpu", "h100-80gb",
+                         "--seq-len", "4096", "--global-batch-tokens", "1048576", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    for c in res["candidates"]:
+        assert c["memory"]["total"] <= 80 * GIB
+    if not res["candidates"]:
+        # Nothing fits: 70.6B parameters at 16 bytes over 8 GPUs is 141 GB each before activations.
+        assert res["smallest"]["memory"]["total"] > get_gpu("h100-80gb").memory_bytes
+        assert res["gpus_needed"] and res["gpus_needed"] > 8
+    code, out, _ = cli(capsys, "plan", "--model", "llama3-70b", "--gpus", "8")
+    assert "Nothing fits" in out and "smallest per-GPU footprint" in out
+
+
+def test_search_invariants(capsys):
+    code, out, err = cli(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch-tokens", "524288",
+                         "--top", "500", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["candidates"], "an 8B model fits on 16 H100s"
+    speeds = [c["time"]["tokens_per_s_per_gpu"] for c in res["candidates"]]
+    assert all(a >= b * 0.99 for a, b in zip(speeds, speeds[1:]))  # fastest first (ties within 1%)
+    for c in res["candidates"]:
+        lay = c["layout"]
+        assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == 16
+        assert lay["tp"] <= 8 and 32 % lay["tp"] == 0 and 8 % lay["tp"] == 0
+        assert lay["micro_batch"] * lay["grad_accum"] * lay["dp"] * lay["seq_len"] == 524288
+        assert c["memory"]["total"] <= get_gpu("h100-80gb").memory_bytes
+        # What the search reports is what `plan memory` says of the same layout.
+        again = memory_plan(get_shape("llama3-8b"), Layout(**lay), get_framework("playbook")).peak.total
+        assert again == pytest.approx(c["memory"]["total"], rel=1e-12)
+
+
+def test_pinned_sizes_and_moe(capsys):
+    code, out, err = cli(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "2", "--zero", "1",
+                         "--json", "--top", "50")
+    assert code == 0, err
+    assert all(c["layout"]["tp"] == 2 and c["layout"]["zero"] == 1 for c in json.loads(out)["candidates"])
+    code, out, err = cli(capsys, "plan", "--model", "mixtral-8x7b", "--gpus", "32", "--json", "--top", "100")
+    assert code == 0, err
+    for c in json.loads(out)["candidates"]:
+        lay = c["layout"]
+        assert lay["dp"] % lay["ep"] == 0 and 8 % lay["ep"] == 0
+
+
+def test_winner_is_explained_in_three_steps(capsys):
+    code, out, err = cli(capsys, "plan", "--model", "llama3-8b", "--gpus", "64")
+    assert code == 0, err
+    for step in ("1. Fit memory", "2. Reach the batch", "3. Maximise throughput"):
+        assert step in out
+
+
+# -- bad input: one line, exit 2 ---------------------------------------------------------
+@pytest.mark.parametrize("args,needle", [
+    (["plan", "--model", "gpt-5", "--gpus", "8"], "llama3-8b"),  # the known models are listed
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "tpu-v5"], "h100-80gb"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "1000000"], "no integer accumulation"),
+    (["plan", "--model", "llama3-8b", "--gpus", "12"], "multiple of 8"),
+    (["plan", "--model", "llama3-8b", "--gpus", "0"], "--gpus must be a positive"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "0"], "must be positive"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "-4096"], "must be positive"),
+    (["plan", "memory", "--model", "llama3-8b", "--micro-batch", "0"], "--micro-batch must be a positive"),
+    (["plan", "memory", "--model", "llama3-8b", "--tp", "3"], "must divide the 32 query heads"),
+    (["plan", "memory", "--model", "nope"], "llama3-70b"),
+    (["plan", "memory", "--model", "llama3-8b", "--gpu", "v100"], "a100-40gb"),
+    (["plan", "memory", "--model", "llama3-8b", "--hidden", "-1"], "--hidden must be a positive"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
+    code, out, err = cli(capsys, *args)
+    assert code == 2, (code, out, err)
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_input_from_a_real_process():
+    r = subprocess.run([sys.executable, "-m", "ultrascale", "plan", "--model", "llama3-8b", "--gpus", "12"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stdout == ""
+
+
+def test_plan_cli_imports_no_torch_or_matplotlib():
+    code = ("import argparse, sys; from ultrascale.plan.cli import add_parser; "
+            "add_parser(argparse.ArgumentParser().add_subparsers()); "
+            "print('torch' in sys.modules, 'matplotlib' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["False", "False"], r.stderr
+
+
+# -- chart and validation ---------------------------------------------------------------
+def test_memory_chart(capsys, tmp_path):
+    path = tmp_path / "mem.png"
+    code, out, err = cli(capsys, "plan", "memory", "--model", "llama3-8b", "--pp", "4", "--grad-accum", "8",
+                         "--chart", str(path))
+    assert code == 0, err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_validation_meets_its_goals_on_the_packaged_data(capsys):
+    packaged = Path(__file__).resolve().parents[1] / "src" / "ultrascale" / "plan" / "data" / "playbook_benchmarks.csv"
+    code, out, err = cli(capsys, "plan", "validate", "--data", str(packaged), "--json")
+    figures = json.loads(out)
+    assert figures["runs"] == 3287 and figures["finished"] == 1758
+    assert figures["accuracy"] >= 0.90
+    assert figures["median_memory_error"] <= 0.10
+    assert figures["mean_spearman"] >= 0.70
+    assert code == 0
+
+
+def test_the_packaged_copy_serves_any_clone(monkeypatch):
+    from ultrascale.plan import validate
+
+    monkeypatch.setattr(validate, "default_csv", lambda: None)  # a clone without ../shared beside it
+    rows, source = validate.load_rows()
+    assert len(rows) == 3287 and "packaged" in source
+    assert {"model", "nodes", "dp", "tp", "pp", "zero_stage", "status", "peak_memory_gb"} <= set(rows[0])
