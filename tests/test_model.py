@@ -95,10 +95,9 @@ def test_gqa_equals_multi_head_with_repeated_kv():
     cos, sin = model.rope_cos[:8], model.rope_sin[:8]
     out = attn(x, cos, sin)
     # Reference: repeat each kv head for its group of query heads, plain attention.
-    q = attn.q_proj(x).view(2, 8, cfg.heads, -1).transpose(1, 2)
-    k = attn.k_proj(x).view(2, 8, cfg.kv_heads, -1).transpose(1, 2)
+    q = apply_rope(attn.q_proj(x).view(2, 8, cfg.heads, -1), cos, sin).transpose(1, 2)
+    k = apply_rope(attn.k_proj(x).view(2, 8, cfg.kv_heads, -1), cos, sin).transpose(1, 2)
     v = attn.v_proj(x).view(2, 8, cfg.kv_heads, -1).transpose(1, 2)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     rep = cfg.heads // cfg.kv_heads
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = q @ k.transpose(-1, -2) / cfg.head_dim ** 0.5

@@ -47,9 +47,10 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x [b, heads, s, d] by the angles of each position."""
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x [b, s, heads, d] by the angles of each position
+    (cos, sin: [s, d/2])."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[None, None], sin[None, None]
+    cos, sin = cos[None, :, None], sin[None, :, None]
     out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.type_as(x)
 
@@ -79,11 +80,13 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         # The head counts come from the projections' widths, so a tensor-parallel
         # shard of the projections gives a shard of the heads with no change here.
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core_attention(q, k, v)
+        q = apply_rope(self.q_proj(x).view(b, s, -1, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(b, s, -1, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        # Rotate in [b, s, heads, d] and only then view as [b, heads, s, d] for attention: the
+        # output comes back in the same [b, s, heads, d] memory order, and o_proj's input is a
+        # view of it instead of a copy kept for backward.
+        out = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

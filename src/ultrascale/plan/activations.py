@@ -14,7 +14,7 @@ compute dtype, h hidden, kv = kv_heads·head_dim, f the FFN width, a heads:
   q, k after RoPE; v                 b(h + 2kv)    tp
   SDPA logsumexp                     4a            tp   (recomputed: selective)
   SDPA output                        b·h           tp   (recomputed: selective)
-  o_proj input (eager: a copy)       b·h           tp   (fused: the SDPA output itself)
+  (o_proj's input is a view of the SDPA output: attention runs on [b, s, heads, d] memory)
   mlp_norm, its output               as above
   SwiGLU gate, up, silu, product     4·b·f         tp   (GELU: 2·b·f)
 
@@ -69,8 +69,6 @@ def layer_terms(shape, spec: ActivationSpec) -> list[tuple[str, float, str]]:
     out += [("attn_norm output", b * h, "linear_in"),
             ("q after RoPE", b * h, "tp"), ("k after RoPE", b * kv, "tp"), ("v", b * kv, "tp"),
             ("SDPA logsumexp", 4 * a, "tp"), ("SDPA output", b * h, "tp")]
-    if spec.kernels == "eager":
-        out.append(("o_proj input (transposed copy)", b * h, "tp"))
     out += [("mlp_norm " + n, v, r) for n, v, r in _norm(shape, spec)]
     out.append(("mlp_norm output", b * h, "linear_in"))
     if shape.is_moe:
@@ -115,11 +113,10 @@ def layer_bytes(shape, spec: ActivationSpec, tokens: int, recompute: str | None 
         return tokens * spec.act_bytes * shape.hidden / divisor("norm", spec)
     total = 0.0
     for name, per_token, region in layer_terms(shape, spec):
-        if recompute == "selective" and name in ("SDPA logsumexp", "SDPA output"):
-            # The engine recomputes the attention core: its output and logsumexp are not kept
-            # (with fused kernels the output survives anyway, as the o_proj input).
-            if spec.kernels == "eager" or name == "SDPA logsumexp":
-                continue
+        if recompute == "selective" and name == "SDPA logsumexp":
+            # The attention core is recomputed: its logsumexp is not kept; its output survives
+            # as the input o_proj saves (a view of it).
+            continue
         total += tokens * per_token / divisor(region, spec)
     return total
 
