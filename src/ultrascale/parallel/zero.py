@@ -35,14 +35,14 @@ from torch import nn
 
 from ultrascale.parallel.buckets import Bucket, make_buckets
 from ultrascale.train.grads import LocalGrads
-from ultrascale.train.precision import DTYPES
+from ultrascale.train.precision import DTYPES, MainParams
 
 # torch 2.13 renamed the flat collectives; older releases in our range have only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class ShardedMainParams:
+class ShardedMainParams(MainParams):
     """The optimizer's view under ZeRO: one fp32 tensor per piece of a parameter in this rank's shards.
 
     AdamW works element by element, so updating pieces gives exactly what
@@ -52,16 +52,9 @@ class ShardedMainParams:
     """
 
     def __init__(self, pieces, main, decay, shard_view, mixed, after_update):
+        # Not MainParams.__init__: the cast and the masters are made per piece by ZeRO.
         self.pieces, self.main, self.decay = pieces, main, decay
         self.shard_view, self.mixed, self.after_update = shard_view, mixed, after_update
-
-    def attach_grads(self, grads) -> None:
-        for m, g in zip(self.main, grads):
-            m.grad = g
-
-    def detach_grads(self) -> None:
-        for m in self.main:
-            m.grad = None
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -70,11 +63,8 @@ class ShardedMainParams:
                 self.shard_view(b, start, end).copy_(m)
         self.after_update()
 
-    def master_bytes(self) -> int:
-        return sum(m.numel() * 4 for m in self.main) if self.mixed else 0
-
     def state_dict(self):
-        return [m.detach().clone() for m in self.main]
+        return [m.detach().clone() for m in self.main]  # fp32 too: the pieces are views of live parameters
 
     @torch.no_grad()
     def load_state_dict(self, saved) -> None:
