@@ -40,13 +40,14 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as common  # noqa: E402
 from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, validate
 from ultrascale.distributed.context import build_context
 from ultrascale.model import build_model, cross_entropy_loss
@@ -327,18 +328,7 @@ def _hf_version() -> str:
 
 
 def machine_info(threads: int) -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": _hf_version(), "platform": platform.platform(),
-            "loadavg_start": os.getloadavg()}
+    return {**common.machine_info(), "threads": threads, "transformers": _hf_version()}
 
 
 def markdown(results: list[dict], machine: dict, args) -> str:

@@ -104,12 +104,8 @@ def _precheck(cfg) -> None:
     if t.data and not t.data.startswith("hf:"):
         _text_files(t.data)
     if t.resume:
-        meta = checkpoint.read_meta(t.resume)
-        checkpoint.check_compatible(t.resume, meta, cfg.to_dict(), cfg.parallel.dp * cfg.parallel.tp
-                                    * cfg.parallel.pp * cfg.parallel.cp)
-        if meta["step"] >= t.steps:
-            raise ConfigError(f"--resume {t.resume} is already at step {meta['step']} and --steps {t.steps} "
-                              f"counts all steps: pass a larger --steps")
+        p = cfg.parallel
+        checkpoint.check_resume(t.resume, cfg.to_dict(), p.dp * p.tp * p.pp * p.cp, t.steps)
 
 
 def cmd_train(args) -> int:

@@ -61,3 +61,33 @@ def make_buckets(params, cap_bytes: float, pad_to: int = 1, bytes_per_elem: int 
         n = b.offsets[-1] + b.params[-1].numel()
         b.numel = -(-n // pad_to) * pad_to
     return buckets
+
+
+class LaunchOrder:
+    """Counts the gradients that reach each bucket and releases full buckets in index order.
+
+    Collectives must be issued in the same order on every rank; gradients may fill the
+    buckets in another order (PyTorch DDP enforces the same rule).
+    """
+
+    def __init__(self, buckets: list[Bucket]):
+        self.buckets = buckets
+        self.reset()
+
+    def reset(self) -> None:
+        self.ready = [0] * len(self.buckets)
+        self.next = 0
+
+    def mark(self, b: Bucket) -> list[Bucket]:
+        """One more gradient in b; the buckets that may be launched now."""
+        self.ready[b.index] += 1
+        out = []
+        while self.next < len(self.buckets) and self.ready[self.next] == len(self.buckets[self.next].params):
+            out.append(self.buckets[self.next])
+            self.next += 1
+        return out
+
+    def remaining(self) -> list[Bucket]:
+        """The buckets not launched yet (some of their parameters got no gradient), in order."""
+        out, self.next = self.buckets[self.next:], len(self.buckets)
+        return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ultrascale.parallel.buckets import make_buckets
+from ultrascale.parallel.buckets import LaunchOrder, make_buckets
 from ultrascale.train.grads import LocalGrads
 
 
@@ -72,11 +72,7 @@ class BucketedDataParallel(_DataParallel):
             for i, p in enumerate(b.params):
                 p.main_grad = b.view(b.grad, i)  # a view: accumulating into it fills the bucket
                 self._bucket_of[p] = b
-        self._reset()
-
-    def _reset(self) -> None:
-        self._ready = [0] * len(self.buckets)
-        self._next = 0  # buckets launch in index order on every rank, whatever order they fill in
+        self._order = LaunchOrder(self.buckets)
         self._pending = []
 
     def zero(self) -> None:
@@ -86,11 +82,8 @@ class BucketedDataParallel(_DataParallel):
     def on_grad_ready(self, p) -> None:
         if not self._sync:
             return
-        b = self._bucket_of[p]
-        self._ready[b.index] += 1
-        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
-            self._launch(self.buckets[self._next])
-            self._next += 1
+        for b in self._order.mark(self._bucket_of[p]):
+            self._launch(b)
 
     def _launch(self, b) -> None:
         b.grad.div_(self.world)
@@ -103,14 +96,14 @@ class BucketedDataParallel(_DataParallel):
 
     def finish(self) -> None:
         # A bucket whose parameters got no gradient this step still has to be reduced.
-        while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
-            self._next += 1
+        for b in self._order.remaining():
+            self._launch(b)
         for work, b, low in self._pending:
             work.wait()
             if low is not None:
                 b.grad.copy_(low)
-        self._reset()
+        self._order.reset()
+        self._pending = []
 
 
 def build_data_parallel(model, params, ctx, cfg):

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ultrascale.parallel.buckets import Bucket, make_buckets
+from ultrascale.parallel.buckets import Bucket, LaunchOrder, make_buckets
 from ultrascale.train.grads import LocalGrads
 from ultrascale.train.precision import DTYPES, MainParams
 
@@ -137,8 +137,7 @@ class ZeroDataParallel(LocalGrads):
                 b.shard_fresh = False
 
     def _reset(self) -> None:
-        self._ready = [0] * len(self.buckets)
-        self._next = 0  # buckets launch in index order on every rank, whatever order they fill in
+        self._order = LaunchOrder(self.buckets)
         self._pending = []
 
     def _accumulate(self, p) -> None:
@@ -169,11 +168,8 @@ class ZeroDataParallel(LocalGrads):
     def on_grad_ready(self, p) -> None:
         if not self._sync and self.stage == 1:
             return  # ZeRO-1 keeps full gradients: reduce once, after the last micro-batch
-        b = self._bucket_of[p]
-        self._ready[b.index] += 1
-        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
-            self._launch(self.buckets[self._next])
-            self._next += 1
+        for b in self._order.mark(self._bucket_of[p]):
+            self._launch(b)
 
     def _launch(self, b) -> None:
         lo, hi = b.shard
@@ -213,11 +209,9 @@ class ZeroDataParallel(LocalGrads):
                 q.main_grad = None  # drop the views, or they keep the full buffer alive
 
     def _drain(self) -> None:
-        while self._next < len(self.buckets):
-            b = self.buckets[self._next]
+        for b in self._order.remaining():
             if self.stage == 1 or b.grad is not None:  # stage 2/3: skip buckets no gradient reached
                 self._launch(b)
-            self._next += 1
         for item in self._pending:
             self._retire(item)
         self._reset()

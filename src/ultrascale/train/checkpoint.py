@@ -73,6 +73,16 @@ def check_compatible(path: str, meta: dict, run_config: dict, world_size: int) -
                           f"({meta['config']['parallel']}): resume with the same layout")
 
 
+def check_resume(path: str, run_config: dict, world_size: int, steps: int) -> dict:
+    """Everything that makes `path` unusable for this run, refused before any work; returns its meta."""
+    meta = read_meta(path)
+    check_compatible(path, meta, run_config, world_size)
+    if meta["step"] >= steps:
+        raise ConfigError(f"--resume {path} is already at step {meta['step']} and --steps {steps} "
+                          f"counts all steps: pass a larger --steps")
+    return meta
+
+
 def load(path: str, rank: int) -> dict:
     state = torch.load(_rank_file(path, rank), map_location="cpu", weights_only=False)
     torch.set_rng_state(state["rng_cpu"])

@@ -163,13 +163,7 @@ class Trainer:
         checkpoint.save(path, self.ctx, self.step, self.cfg.to_dict(), state)
 
     def _resume(self, path: str) -> None:
-        from ultrascale.config import ConfigError
-
-        meta = checkpoint.read_meta(path)
-        checkpoint.check_compatible(path, meta, self.cfg.to_dict(), self.ctx.world_size)
-        if meta["step"] >= self.cfg.train.steps:
-            raise ConfigError(f"--resume {path} is already at step {meta['step']} and --steps "
-                              f"{self.cfg.train.steps} counts all steps: pass a larger --steps")
+        checkpoint.check_resume(path, self.cfg.to_dict(), self.ctx.world_size, self.cfg.train.steps)
         state = checkpoint.load(path, self.ctx.rank)
         self.grads.load_state_dict(state["params"])
         self.opt.load_state_dict(state["optimizer"])
