@@ -259,11 +259,11 @@ class ZeroDataParallel(LocalGrads):
         self._after_update()
 
     @torch.no_grad()
-    def full_params(self):
-        """Every parameter in fp32, rebuilt from the shards of the master weights (an all-reduce of
-        zero-padded shards: simple, and used only for checks and export)."""
+    def _full(self, pieces):
+        """Whole tensors from this rank's pieces (of the master weights or of the gradients):
+        an all-reduce of zero-padded shards, simple, and used only for checks and export."""
         flats = {id(b): torch.zeros(b.numel, dtype=torch.float32, device=b.params[0].device) for b in self.buckets}
-        for (b, start, end), m in zip(self.main.pieces, self.main.main):
+        for (b, start, end), m in zip(self.main.pieces, pieces):
             flats[id(b)][start:end] = m.detach().float()
         by_param = {}
         for b in self.buckets:

@@ -101,4 +101,13 @@ class LocalGrads:
 
     def full_params(self) -> list[torch.Tensor]:
         """Every parameter in full, fp32, on every rank (for comparisons and export)."""
-        return [m.detach().float().clone() for m in self.main.main]
+        return self._full(self.main.main)
+
+    def full_grads(self) -> list[torch.Tensor]:
+        """Every parameter's reduced fp32 gradient in full, on every rank: valid between
+        finish() and the optimizer step (for comparisons with the single-process run)."""
+        return self._full(self.grads())
+
+    def _full(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Whole tensors, one per parameter, from tensors aligned with `main.main`."""
+        return [t.detach().float().clone() for t in pieces]

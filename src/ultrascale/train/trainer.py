@@ -33,11 +33,16 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
     state: dict | None = None  # the final fp32 parameters, by single-device name
+    # The first step's reduced gradients (before clipping and any update), by single-device
+    # name; kept only when asked for (run_training(..., keep_first_grads=True)).
+    first_grads: dict | None = None
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, ctx: ParallelContext, log_to_stdout: bool = False):
+    def __init__(self, cfg: RunConfig, ctx: ParallelContext, log_to_stdout: bool = False,
+                 keep_first_grads: bool = False):
         self.cfg, self.ctx, self.log_to_stdout = cfg, ctx, log_to_stdout
+        self.keep_first_grads, self.first_grads = keep_first_grads, None
         t = cfg.train
         tokenizer = load_tokenizer(t.tokenizer)
         if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -92,6 +97,9 @@ class Trainer:
         self.grads.zero()
         loss = self.forward_backward(micro_batches)
         self.grads.finish()
+        if self.keep_first_grads and self.first_grads is None:
+            # The parallel algebra itself, before the optimizer can amplify or hide anything.
+            self.first_grads = parallel.full_state(self.names, self.grads.params, self.grads.full_grads(), ctx)
         grads = self.grads.grads()
         grad_norm = clip_grad_norm_(grads, t.grad_clip, self._reduce_norm_sq, self.norm_shares)
         lr = lr_at(self.step, t)
@@ -151,6 +159,7 @@ class Trainer:
         if t.pp_trace and self.pipeline is not None:
             self.pipeline.write_trace(t.pp_trace, self.cfg.parallel.pp_schedule)
         result.state = self.full_state_dict()
+        result.first_grads = self.first_grads
         return result
 
     def full_state_dict(self) -> dict:
@@ -223,5 +232,6 @@ def format_step(m: dict) -> str:
             f"act {_mb(mem['activations'])}")
 
 
-def run_training(cfg: RunConfig, ctx: ParallelContext, log_to_stdout: bool = False) -> TrainResult:
-    return Trainer(cfg, ctx, log_to_stdout).fit()
+def run_training(cfg: RunConfig, ctx: ParallelContext, log_to_stdout: bool = False,
+                 keep_first_grads: bool = False) -> TrainResult:
+    return Trainer(cfg, ctx, log_to_stdout, keep_first_grads).fit()
