@@ -91,7 +91,7 @@ def test_save_replaces_the_previous_checkpoint_atomically(tmp_path):
     ck = tmp_path / "ck"
     run(steps=2, save=str(ck), save_every=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
-    assert sorted(p.name for p in ck.iterdir()) == ["meta.json", "rank00000.pt"]
+    assert sorted(p.name for p in ck.iterdir()) == [".metadata", "__0_0.distcp", "meta.json"]
 
 
 def test_jsonl_log_has_the_documented_fields(tmp_path):

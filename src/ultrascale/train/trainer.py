@@ -21,7 +21,7 @@ from ultrascale import parallel
 from ultrascale.config import RunConfig
 from ultrascale.distributed.context import ParallelContext
 from ultrascale.model import build_model, flops_per_token
-from ultrascale.train import checkpoint
+from ultrascale.train import checkpoint, resume
 from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_tflops, storage_bytes
 from ultrascale.train.optim import build_adamw, clip_grad_norm_, lr_at
@@ -72,6 +72,8 @@ class Trainer:
         self.step = 0
         if t.resume:
             self._resume(t.resume)
+        if t.save:
+            checkpoint.check_shared(t.save, ctx)  # before any work, not after the last step
 
     # -- one step -----------------------------------------------------------
     def forward_backward(self, micro_batches) -> float:
@@ -168,15 +170,12 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------
     def save(self, path: str) -> None:
-        state = {"step": self.step, "params": self.grads.state_dict(), "optimizer": self.opt.state_dict()}
-        checkpoint.save(path, self.ctx, self.step, self.cfg.to_dict(), state)
+        checkpoint.save(path, self)
 
     def _resume(self, path: str) -> None:
-        checkpoint.check_resume(path, self.cfg.to_dict(), self.ctx.world_size, self.cfg.train.steps)
-        state = checkpoint.load(path, self.ctx.rank)
-        self.grads.load_state_dict(state["params"])
-        self.opt.load_state_dict(state["optimizer"])
-        self.step = state["step"]
+        """Continue from `path`, whatever layout wrote it (train/checkpoint.py)."""
+        resume.check_resume(path, checkpoint.read_meta(path), self.cfg)
+        self.step = checkpoint.load(path, self)
 
 
 class _Log:
