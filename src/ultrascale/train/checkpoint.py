@@ -89,3 +89,35 @@ def load(path: str, rank: int) -> dict:
     if state.get("rng_cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng_cuda"])
     return state
+
+
+# -- reading a checkpoint's full parameters (export) --------------------------------------
+# The one entry point `ultrascale export` uses. This version reads the format above for
+# checkpoints written by one process; a sharded format replaces it behind the same signature.
+def read_full_state(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(the run's configuration as a dict, {single-device name: fp32 tensor}) of checkpoint `path`."""
+    from ultrascale.model.config import ModelConfig
+    from ultrascale.model.transformer import Transformer
+
+    if not os.path.isdir(path):
+        raise ConfigError(f"{path}: no such checkpoint directory")
+    meta_file = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_file):
+        raise ConfigError(f"{path}: no meta.json, not a checkpoint written by `ultrascale train --save`")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    if meta.get("world_size") != 1:
+        raise ConfigError(f"{path} was written by {meta.get('world_size')} processes: only a checkpoint of a "
+                          f"1-process run can be read for now; save one from a 1-process run")
+    if not os.path.isfile(_rank_file(path, 0)):
+        raise ConfigError(f"{path}: no {os.path.basename(_rank_file(path, 0))}, an incomplete checkpoint")
+    state = torch.load(_rank_file(path, 0), map_location="cpu", weights_only=False)["params"]
+    # One process: the parameters in the order of model.named_parameters(); in bf16 runs,
+    # "main" holds their fp32 masters.
+    values = state["main"] if state.get("main") is not None else state["params"]
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_dict(meta["config"]["model"]))
+    shapes = [(n, p.shape) for n, p in model.named_parameters()]
+    if [s for _, s in shapes] != [v.shape for v in values]:
+        raise ConfigError(f"{path}: its tensors do not match the parameters of the model in its meta.json")
+    return meta["config"], {n: v.float().clone() for (n, _), v in zip(shapes, values)}
