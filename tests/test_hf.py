@@ -5,6 +5,7 @@ downloaded. Weights are drawn wider than a fresh initialisation (std 0.1, norms 
 so that logits are O(1) and a misplaced tensor moves them by far more than the tolerance.
 """
 
+import dataclasses
 import json
 import os
 import stat
@@ -49,13 +50,13 @@ SHAPE = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_la
 RUN = ["--seq-len", "32", "--micro-batch", "4", "--no-progress"]
 
 
-def random_hf(path, tied=False, seed=0) -> LlamaForCausalLM:
+def random_hf(path, tied=False, seed=0, **save_kwargs) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=tied, attn_implementation="eager")).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
+    model.save_pretrained(path, **save_kwargs)
     return model
 
 
@@ -127,6 +128,16 @@ def test_a_transformers_checkpoint_gives_the_same_logits(tmp_path, tied):
     swapped = {n.replace("layers.0.", "layers.X.").replace("layers.1.", "layers.0.").replace("layers.X.", "layers.1."):
                t for n, t in state.items()}
     assert max_diff(build_model(cfg, seed=0, source=swapped).eval(), hf, tokens()) > 100 * TOL
+
+
+def test_a_sharded_checkpoint_reads_like_one_file(tmp_path):
+    random_hf(tmp_path / "one")
+    random_hf(tmp_path / "sharded", max_shard_size="100KB")
+    assert len([f for f in os.listdir(tmp_path / "sharded") if f.endswith(".safetensors")]) > 1
+    cfg_a, a = load_hf(str(tmp_path / "one"))
+    cfg_b, b = load_hf(str(tmp_path / "sharded"))
+    assert cfg_a == dataclasses.replace(cfg_b, name=cfg_a.name)
+    assert list(a) == list(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -274,11 +274,11 @@ def model_from_checkpoint(init_from: str, given: dict) -> ModelConfig:
 
     if "preset" in given:
         raise ConfigError(f"--model {given['preset']} and --init-from {init_from} both give the model: drop --model")
+    path = parse_init_from(init_from)
     try:
-        model = read_hf_config(parse_init_from(init_from))
-    except ConfigError as e:
-        message = str(e)
-        raise ConfigError(message if message.startswith("--init-from") else f"--init-from hf:{message}") from None
+        model = read_hf_config(path)
+    except ConfigError as e:  # its messages start with the directory
+        raise ConfigError(f"--init-from hf:{e}") from None
     for name, value in given.items():
         if name == "name":
             model = replace(model, name=value)
