@@ -89,3 +89,19 @@ def load(path: str, rank: int) -> dict:
     if state.get("rng_cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng_cuda"])
     return state
+
+
+def clean_partial(path: str) -> None:
+    """Remove what an interrupted or failed `save` left: `DIR.tmp`, and put back `DIR.old`.
+
+    `save` writes into DIR.tmp and only then swaps it in (DIR -> DIR.old, DIR.tmp -> DIR),
+    so DIR.tmp is never a finished checkpoint anyone relies on; DIR.old is the last good
+    one only if the swap stopped half-way (DIR missing). Call it from one process.
+    """
+    path = path.rstrip("/")
+    tmp, old = path + ".tmp", path + ".old"
+    if not os.path.exists(path) and os.path.isdir(old):
+        os.replace(old, path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.isdir(path):
+        shutil.rmtree(old, ignore_errors=True)
