@@ -121,7 +121,7 @@ def describe(exc: BaseException, rank: int, timeout_s: float | None = None, step
                 f"another rank of that group stopped responding ({message})")
     if kind == "peer-lost":
         return f"rank {rank} lost a peer{at} in {site or 'a collective'}: another rank has died ({message})"
-    return f"rank {rank} failed{at}: {message}" + (f" (in {site})" if site else "")
+    return f"rank {rank} failed{at}: {message}"
 
 
 # -- the worker's side of the launcher's supervision ---------------------------

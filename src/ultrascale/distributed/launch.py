@@ -249,6 +249,12 @@ class _Supervisor:
     def kind(self, w: _Worker) -> str:
         """'signal', 'error', 'timeout' or 'peer-lost' (the last two: a consequence of another rank)."""
         if w.returncode is not None and w.returncode < 0:
+            if -w.returncode == signal.SIGABRT:
+                # NCCL's watchdog aborts a rank whose collective timed out (or lost a peer):
+                # a consequence, like gloo's exception, when its last words say so.
+                kind = failures.classify("\n".join(self.tail(w, 20)))
+                if kind != "error":
+                    return kind
             return "signal"
         text = self.summary(w) or "\n".join(self.tail(w, 3))
         return failures.classify(text)
@@ -272,7 +278,7 @@ class _Supervisor:
         failed = sorted(failed, key=lambda w: (order[self.kind(w)], w.rank))
         first = failed[0]
         kind = self.kind(first)
-        others = f"stopped the other {self.nproc - 1} rank{'s' if self.nproc > 2 else ''}"
+        others = "stopped the other rank" if self.nproc == 2 else f"stopped the other {self.nproc - 1} ranks"
         if kind == "signal":
             sig = -first.returncode
             hint = (" (sent from outside: the kernel's out-of-memory killer, a job scheduler, or kill -9)"
@@ -285,9 +291,11 @@ class _Supervisor:
             error = [line for line in self.tail(first, 200) if line.startswith("ultrascale: error:")]
             if first.returncode == 2 and error:
                 return 2, [error[-1]]  # a configuration mistake found in a worker: one line, as before
+            # Its traceback's end (its own one-line account repeats the cause line: left out).
+            tail = [line for line in self.tail(first, TAIL_LINES + 1) if not line.startswith("ultrascale: ")]
             return first.returncode, ([f"ultrascale: rank {first.rank} failed with exit code {first.returncode}"
                                        f"{self.at(first)}; {others}. Its last lines:"]
-                                      + [f"  | {line}" for line in self.tail(first)])
+                                      + [f"  | {line}" for line in tail[-TAIL_LINES:]])
         # Every rank seen failing was waiting on another: find the one that stopped.
         said = self.summary(first) or (self.tail(first, 1) or ["(no output)"])[0]
         if stalled:
