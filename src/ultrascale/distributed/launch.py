@@ -82,7 +82,6 @@ class _Worker:
     holding: bool = False  # its stderr has started an error report: held back, not forwarded
     held: bytearray = field(default_factory=bytearray)
     returncode: int | None = None
-    stopped_by_us: bool = False
 
 
 class _Supervisor:
@@ -199,7 +198,6 @@ class _Supervisor:
         """Stop every running worker: `first`, then SIGKILL after the grace period."""
         running = [w for w in self.workers if w.returncode is None and w.proc.poll() is None]
         for w in running:
-            w.stopped_by_us = True
             for sig in (first, signal.SIGCONT):  # SIGCONT: a stopped process acts on the signal now
                 self._killpg(w, sig)
         deadline = time.monotonic() + GRACE_S
@@ -211,7 +209,8 @@ class _Supervisor:
         for w in self.workers:
             if w.proc.poll() is None:
                 self._killpg(w, signal.SIGKILL)
-            w.proc.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):  # only a process stuck in the kernel
+                w.proc.wait(timeout=GRACE_S)
             if w.returncode is None:
                 w.returncode = w.proc.returncode
         for w in self.workers:
@@ -274,7 +273,7 @@ class _Supervisor:
 
     def describe_failure(self, failed: list[_Worker], stalled) -> tuple[int, list[str]]:
         """(exit code, lines to print) for a run ended by `failed` (the first ranks seen failing)."""
-        order = {"signal": 0, "error": 1, "peer-lost": 2, "timeout": 3}
+        order = {"signal": 0, "error": 1, "timeout": 2, "peer-lost": 3}  # a timeout is upstream of a lost peer
         failed = sorted(failed, key=lambda w: (order[self.kind(w)], w.rank))
         first = failed[0]
         kind = self.kind(first)
@@ -298,6 +297,11 @@ class _Supervisor:
                                       + [f"  | {line}" for line in tail[-TAIL_LINES:]])
         # Every rank seen failing was waiting on another: find the one that stopped.
         said = self.summary(first) or (self.tail(first, 1) or ["(no output)"])[0]
+        ended = [w for w in self.workers if w.returncode == 0]
+        if ended and not stalled:
+            names = ", ".join(f"rank {w.rank}" for w in ended)
+            return 1, [f"ultrascale: {names} ended (status 0) while the others still waited for "
+                       f"{'it' if len(ended) == 1 else 'them'} in a collective; {others}", f"  | {said}"]
         if stalled:
             names = ", ".join(f"rank {w.rank}" for w, *_ in stalled)
             w, age, step, state = stalled[0]
