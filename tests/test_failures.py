@@ -220,3 +220,10 @@ def test_secondary_errors_are_told_apart_from_causes():
                     "[127.0.0.1]:15790") == "peer-lost"
     assert classify("Read error [127.0.0.1]:4242: Connection reset by peer") == "peer-lost"
     assert classify("torch.OutOfMemoryError: CUDA out of memory") == "error"
+
+
+def test_the_timeout_must_be_positive(capsys):
+    from ultrascale.cli import main
+
+    assert main(["train", "--model", "tiny", "--timeout", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "ultrascale: error: --timeout must be a positive number of seconds, got 0"
