@@ -34,8 +34,8 @@ def ultrascale(*args, timeout=60):
 class Run:
     """A launcher and its workers, with everything killed at the end whatever happened."""
 
-    def __init__(self, nproc, *args):
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+    def __init__(self, nproc, *args, tmp=None):
+        env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp))  # the launcher's rank logs go there
         self.launcher = subprocess.Popen(
             [sys.executable, "-m", "ultrascale", "train", *LONG_RUN, "--nproc", str(nproc), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
@@ -88,11 +88,11 @@ def _alive(p):
 
 
 @pytest.fixture
-def run():
+def run(tmp_path):
     runs = []
 
     def start(nproc, *args):
-        runs.append(Run(nproc, *args))
+        runs.append(Run(nproc, *args, tmp=tmp_path))
         return runs[-1]
 
     yield start
