@@ -7,6 +7,7 @@ process starts or any file is written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -61,6 +62,8 @@ TRAIN_FLAGS = [
     ("--pp-trace", "train", "pp_trace", str, "write the last step's pipeline timeline (draw it with pp-schedule --trace)"),
     ("--device", "train", "device", str, "auto, cpu or cuda"),
     ("--nproc", "train", "nproc", int, "spawn this many local processes (or use torchrun)"),
+    ("--timeout", "train", "timeout", float,
+     "seconds a collective may wait for the other ranks before the run ends (default 300)"),
 ]
 
 
@@ -129,9 +132,17 @@ def _precheck(cfg) -> None:
 
 
 def cmd_train(args) -> int:
-    from ultrascale.distributed.launch import is_worker, launch_local
+    from ultrascale.distributed import failures
+    from ultrascale.distributed.launch import is_worker, launch_local, launched_locally
+    from ultrascale.preflight import check_output_paths
 
+    if launched_locally():
+        failures.start_worker_supervision()  # heartbeat, and die with the launcher
     cfg, resumed = parse_train_config(args)
+    if not launched_locally():
+        # Where the run will write, first: cheap, and a bad path costs a whole run otherwise.
+        # (Under --nproc the launcher checked; under torchrun every rank checks.)
+        check_output_paths(cfg.train)
     world = int(os.environ["WORLD_SIZE"]) if is_worker() else cfg.train.nproc
     if is_worker() and cfg.train.nproc not in (1, world):
         raise ConfigError(f"--nproc {cfg.train.nproc} disagrees with WORLD_SIZE={world} set by the launcher")
@@ -145,25 +156,59 @@ def cmd_train(args) -> int:
     if not is_worker():
         _precheck(cfg)
         if cfg.train.nproc > 1:
-            return launch_local(sys.argv[1:], cfg.train.nproc)
+            return launch_local(sys.argv[1:], cfg.train.nproc, timeout_s=cfg.train.timeout,
+                                on_failure=lambda: _clean_partial_save(cfg))
     return _train_here(cfg)
+
+
+def _clean_partial_save(cfg) -> None:
+    if cfg.train.save:
+        from ultrascale.train.checkpoint import clean_partial
+
+        clean_partial(cfg.train.save)
 
 
 def _train_here(cfg) -> int:
     from ultrascale.distributed.context import init_parallel
     from ultrascale.train.trainer import run_training
 
-    ctx = init_parallel(cfg.parallel, cfg.train.device)
-    try:
+    # One process has no process group: nothing to tear down, and its errors are its own.
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    with _fail_fast(cfg) if distributed else contextlib.nullcontext():
+        ctx = init_parallel(cfg.parallel, cfg.train.device, cfg.train.timeout)
         result = run_training(cfg, ctx, log_to_stdout=True)
-    finally:
-        ctx.destroy()
+    ctx.destroy()
     if ctx.is_logging_rank and result.metrics:
         first, last = result.metrics[0], result.metrics[-1]
         rate = sum(m["tokens"] for m in result.metrics) / sum(m["step_time_s"] for m in result.metrics)
         print(f"done: {len(result.metrics)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
               f"{rate:,.0f} tokens/s", flush=True)
     return 0
+
+
+@contextlib.contextmanager
+def _fail_fast(cfg):
+    """In a rank of a multi-process run: on an error, say what and where in one line, and exit now.
+
+    Tearing down a process group that lost a peer can block, and the launcher (or
+    torchrun's agent) is about to stop this process anyway.
+    """
+    from ultrascale.distributed import failures
+
+    try:
+        yield
+    except ConfigError:
+        raise  # one line from main(), exit 2, as in a single process
+    except Exception as e:  # noqa: BLE001 - reported, then the process ends
+        import traceback
+
+        traceback.print_exc()
+        rank = int(os.environ.get("RANK", "0"))
+        line = failures.describe(e, rank, cfg.train.timeout, failures.current_step())
+        print(f"ultrascale: {line}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,8 +228,11 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except ConfigError as e:
-        # In a multi-process run every rank finds the same mistake: say it once.
-        if int(os.environ.get("RANK", "0")) == 0:
+        # In a multi-process run every rank finds the same mistake: say it once (under
+        # `--nproc`, the launcher picks one rank's line; under torchrun, rank 0 says it).
+        from ultrascale.distributed.launch import launched_locally
+
+        if int(os.environ.get("RANK", "0")) == 0 or launched_locally():
             print(f"ultrascale: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

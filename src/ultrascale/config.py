@@ -120,6 +120,9 @@ class TrainConfig:
     log_every: int = 1
     device: str = "auto"  # auto | cpu | cuda
     nproc: int = 1
+    # Seconds any collective, on any process group, may wait for the other ranks before
+    # the run is ended (a hung or dead rank otherwise blocks the rest forever).
+    timeout: float = 300.0
     progress: bool = True
     measure_activations: bool = True
 
@@ -147,6 +150,8 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
     for name in ("steps", "seq_len", "micro_batch", "grad_accum", "nproc", "log_every"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(t, name)}")
+    if not t.timeout > 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {t.timeout:g}")
     if t.save_every < 0:
         raise ConfigError(f"--save-every must be 0 (off) or positive, got {t.save_every}")
     if t.seq_len > cfg.model.max_seq_len:

@@ -132,7 +132,9 @@ def init_parallel(layout: ParallelConfig, device: str = "auto", timeout_s: float
 
     Without WORLD_SIZE in the environment this is a single process and no process
     group is created. With it (torchrun, or `ultrascale train --nproc N`), the
-    backend is NCCL on CUDA and gloo on the CPU.
+    backend is NCCL on CUDA and gloo on the CPU. `timeout_s` bounds every
+    collective of every group (the world and each grid group): past it, a rank
+    waiting on one that hung raises instead of waiting forever.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -145,20 +147,26 @@ def init_parallel(layout: ParallelConfig, device: str = "auto", timeout_s: float
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                     device_id=dev if dev.type == "cuda" else None)
-    return build_context(layout, rank, world, local_rank, dev, backend)
+    return build_context(layout, rank, world, local_rank, dev, backend, timeout_s=timeout_s)
 
 
-def build_context(layout, rank, world, local_rank=0, device=torch.device("cpu"), backend=None) -> ParallelContext:
-    """The context over an already initialised default process group (or a single process)."""
+def build_context(layout, rank, world, local_rank=0, device=torch.device("cpu"), backend=None,
+                  timeout_s: float | None = None) -> ParallelContext:
+    """The context over an already initialised default process group (or a single process).
+
+    Each group is created with the given timeout (None: torch's default, 30 minutes)
+    and its grid name as description (in error reports and NCCL's flight recorder).
+    """
     layout = layout.resolve(world)
     all_groups = grid_groups(layout, world)
     ctx = ParallelContext(layout=layout, rank=rank, world_size=world, local_rank=local_rank,
                           device=device, backend=backend, coords=_coords(layout, rank))
+    options = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     for name, groups in all_groups.items():
         for ranks in groups:
             # Every rank takes part in creating every group (a torch.distributed rule),
             # but only groups of more than one rank are worth a communicator.
-            pg = dist.new_group(ranks) if world > 1 and len(ranks) > 1 else None
+            pg = dist.new_group(ranks, **options, group_desc=name) if world > 1 and len(ranks) > 1 else None
             if rank in ranks:
                 ctx.group_ranks[name] = ranks
                 if pg is not None:

@@ -147,7 +147,7 @@ def save(path: str, trainer) -> None:
     ctx = trainer.ctx
     path, tmp, old = _paths(path)
     if ctx.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a partial save of an earlier, interrupted run
+        clean_partial(path)  # a partial save of an earlier, interrupted run
         os.makedirs(tmp)
     ctx.barrier()
     try:
@@ -168,7 +168,7 @@ def save(path: str, trainer) -> None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         if ctx.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            clean_partial(path)
         raise
     ctx.barrier()
 
@@ -211,3 +211,19 @@ def check_shared(path: str, ctx) -> None:
     if missing.item():
         raise ConfigError(f"--save {path}: {missing.item()} of {ctx.world_size} ranks cannot see the directory "
                           f"rank 0 created: checkpoints need a filesystem shared by every node")
+
+
+def clean_partial(path: str) -> None:
+    """Remove what an interrupted or failed `save` left: `DIR.tmp`, and put back `DIR.old`.
+
+    `save` writes into DIR.tmp and only then swaps it in (DIR -> DIR.old, DIR.tmp -> DIR),
+    so DIR.tmp is never a finished checkpoint anyone relies on; DIR.old is the last good
+    one only if the swap stopped half-way (DIR missing). Call it from one process.
+    """
+    path = path.rstrip("/")
+    tmp, old = path + ".tmp", path + ".old"
+    if not os.path.exists(path) and os.path.isdir(old):
+        os.replace(old, path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.isdir(path):
+        shutil.rmtree(old, ignore_errors=True)

@@ -19,6 +19,7 @@ import torch
 
 from ultrascale import parallel
 from ultrascale.config import RunConfig
+from ultrascale.distributed import failures
 from ultrascale.distributed.context import ParallelContext
 from ultrascale.model import build_model, flops_per_token
 from ultrascale.train import checkpoint, resume
@@ -78,6 +79,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak = peak_tflops(ctx.device, t.dtype)
         self.step = 0
+        if t.save and ctx.rank == 0:
+            checkpoint.clean_partial(t.save)  # what a killed run left (the next save would also)
         if t.resume:
             self._resume(t.resume)
         if t.save:
@@ -156,6 +159,7 @@ class Trainer:
         log = _Log(t, ctx.is_logging_rank, self.step, self.log_to_stdout)
         try:
             while self.step < t.steps:
+                failures.note_step(self.step + 1)
                 m = self.train_step()
                 result.losses.append(m["loss"])
                 result.metrics.append(m)
@@ -198,7 +202,9 @@ class _Log:
         if t.log_jsonl:
             os.makedirs(os.path.dirname(os.path.abspath(t.log_jsonl)), exist_ok=True)
             self.jsonl = open(t.log_jsonl, "a" if t.resume else "w")
-        if self.to_stdout and t.progress and sys.stderr.isatty():
+        # Under `--nproc` stderr is the launcher's pipe; it says when it ends on a terminal.
+        tty = sys.stderr.isatty() or os.environ.get("ULTRASCALE_STDERR_TTY") == "1"
+        if self.to_stdout and t.progress and tty:
             from tqdm import tqdm
 
             self.bar = tqdm(total=t.steps, initial=first_step, unit="step", dynamic_ncols=True, leave=False)

@@ -1,0 +1,76 @@
+"""Can the run write where it was told to? Checked before any process starts.
+
+A run that trains for hours and then cannot write its checkpoint has lost those
+hours. Each output path is checked up front: the path itself must be of the right
+kind (a directory for --save, a file for the others), and the place it will be
+created in must be writable. The directories a run would create do not exist
+yet: what is checked is the nearest existing ancestor, by creating and removing a
+probe file there (permission bits alone say nothing for root, read-only mounts
+or /proc). Nothing is left behind, whether the check passes or fails.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+
+from ultrascale.config import ConfigError
+
+
+def _nearest_existing(path: str) -> str:
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _probe(flag: str, given: str, where: str) -> None:
+    """Create and remove a file in the existing directory `where`, or refuse the flag."""
+    if not os.path.isdir(where):
+        raise ConfigError(f"{flag} {given}: {where} is a file, not a directory: choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".ultrascale-probe-", dir=where)
+    except OSError as e:
+        why = "it takes no new files" if e.errno == errno.ENOENT else e.strerror  # /proc says ENOENT
+        raise ConfigError(f"{flag} {given}: cannot write in {where} ({why}): "
+                          f"choose a path in a directory you can write to") from None
+    os.close(fd)
+    os.remove(probe)
+
+
+def check_writable_dir(flag: str, path: str) -> None:
+    """A directory the run creates or replaces (a checkpoint): its parent must take new entries."""
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise ConfigError(f"{flag} {path}: exists and is not a directory: choose a directory path")
+    # The checkpoint is written next to it (DIR.tmp) and renamed: the parent is what must be writable.
+    _probe(flag, path, _nearest_existing(os.path.dirname(full)))
+
+
+def check_writable_file(flag: str, path: str) -> None:
+    """A file the run creates or overwrites (a log, a trace)."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise ConfigError(f"{flag} {path}: is a directory: give a file name")
+    if os.path.exists(full):
+        try:
+            with open(full, "a"):  # opens for writing, changes nothing
+                pass
+        except OSError as e:
+            raise ConfigError(f"{flag} {path}: cannot write it ({e.strerror}): "
+                              f"fix its permissions or choose another file") from None
+        return
+    _probe(flag, path, _nearest_existing(os.path.dirname(full)))
+
+
+def check_output_paths(train_cfg) -> None:
+    """Every path a training run will write: --save, --log-jsonl, --pp-trace."""
+    if train_cfg.save:
+        check_writable_dir("--save", train_cfg.save)
+    if train_cfg.log_jsonl:
+        check_writable_file("--log-jsonl", train_cfg.log_jsonl)
+    if train_cfg.pp_trace:
+        check_writable_file("--pp-trace", train_cfg.pp_trace)
