@@ -61,18 +61,23 @@ def _grouped(x, kv_heads):
 
 
 def _scores(q, k, causal: bool, scale: float):
-    """S in fp32, [b, KV, H/KV, m, n]."""
-    s = _grouped(q.float(), k.shape[1]) @ k.float().unsqueeze(2).transpose(-1, -2) * scale
+    """S in fp32, [b, KV, H/KV, m, n]: the scaled scores, -inf above the diagonal if causal."""
+    s = _grouped(q.float() * scale, k.shape[1]) @ k.float().unsqueeze(2).transpose(-1, -2)
     if causal:
         m, n = s.shape[-2:]
-        s = s.masked_fill(torch.ones(m, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s.masked_fill_(torch.ones(m, n, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
     return s
 
 
 def _forward_math(q, k, v, causal, scale):
-    s = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.exp(s - lse.unsqueeze(-1)) @ v.float().unsqueeze(2)
+    # In place where it can be: the m x n block is the only large tensor, and the passes over it
+    # (not the flops, with head dims this small) are what the block costs.
+    p = _scores(q, k, causal, scale)
+    row_max = p.amax(dim=-1, keepdim=True)
+    p.sub_(row_max).exp_()
+    row_sum = p.sum(dim=-1, keepdim=True)
+    out = (p @ v.float().unsqueeze(2)).div_(row_sum)
+    lse = (row_max + row_sum.log()).squeeze(-1)
     return out.flatten(1, 2), lse.flatten(1, 2)
 
 
@@ -103,12 +108,12 @@ def block_forward(q, k, v, causal: bool, scale: float):
 def block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
     """(dQ, dK, dV) of one block, fp32, from the rows' global lse and D = rowsum(dO ∘ O)."""
     kv_heads = k.shape[1]
-    p = torch.exp(_scores(q, k, causal, scale) - _grouped(lse, kv_heads).unsqueeze(-1))
+    p = _scores(q, k, causal, scale).sub_(_grouped(lse, kv_heads).unsqueeze(-1)).exp_()  # P, in place of S
     do = _grouped(dout.float(), kv_heads)
     dv = (p.transpose(-1, -2) @ do).sum(2)
-    ds = p * (do @ v.float().unsqueeze(2).transpose(-1, -2) - _grouped(delta, kv_heads).unsqueeze(-1))
-    dq = (ds @ k.float().unsqueeze(2)).flatten(1, 2) * scale
-    dk = (ds.transpose(-1, -2) @ _grouped(q.float(), kv_heads)).sum(2) * scale
+    ds = (do @ v.float().unsqueeze(2).transpose(-1, -2)).sub_(_grouped(delta, kv_heads).unsqueeze(-1)).mul_(p)
+    dq = (ds @ k.float().unsqueeze(2)).flatten(1, 2).mul_(scale)
+    dk = (ds.transpose(-1, -2) @ _grouped(q.float(), kv_heads)).sum(2).mul_(scale)
     return dq, dk, dv
 
 
