@@ -320,13 +320,15 @@ def _losses(cfg):
     return run_training(cfg, worker_context(cfg.parallel)).losses
 
 
-def test_bf16_matches_the_single_process_bf16_run():
-    cfg = validate(config(2, "zigzag", dtype="bf16", steps=4), 2)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bf16_matches_the_single_process_bf16_run(variant):
+    cfg = validate(config(2, variant, dtype="bf16", steps=4), 2)
     ref = train_single(single_process_config(cfg)).losses
     losses = run_distributed(2, _losses, cfg)[0]
-    # bf16 rounds the sharded attention's inputs and outputs at other points than SDPA does: the
-    # losses agree to bf16's resolution (2^-8 = 4e-3 relative per rounding), not to fp32's.
-    assert max(abs(a - b) / b for a, b in zip(losses, ref)) < 4e-3
+    # bf16 rounds at other points than one process does (the block math casts the shard's q, k, v up
+    # and its output down; Ulysses' all-to-alls move bf16): measured 2-4e-5 over 4 steps, where bf16
+    # itself is 1.6e-4 away from fp32. Not fp32's 1e-5.
+    assert max(abs(a - b) / b for a, b in zip(losses, ref)) < 5e-4
 
 
 def test_resume_continues_the_run(tmp_path):
