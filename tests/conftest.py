@@ -10,7 +10,10 @@ def pytest_terminal_summary(terminalreporter):
     from ultrascale.testing.compare import REPORT
 
     if REPORT:
-        terminalreporter.section("equivalence with the single-process run (tolerance reached)")
+        import torch
+
+        kernels = torch.backends.cpu.get_cpu_capability()
+        terminalreporter.section(f"equivalence with the single-process run (tolerance reached, {kernels} kernels)")
         for line in REPORT:
             terminalreporter.write_line(line)
 

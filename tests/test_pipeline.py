@@ -14,7 +14,7 @@ from ultrascale.config import ConfigError, ParallelConfig, RunConfig, TrainConfi
 from ultrascale.model import get_preset
 from ultrascale.parallel.pipeline.schedules import SCHEDULES, build, schedule
 from ultrascale.parallel.pipeline.simulate import simulate
-from ultrascale.testing.compare import assert_matches, compare, single_process_config, train_parallel, train_single
+from ultrascale.testing.compare import RunRecord, assert_matches, compare, train_parallel, train_single
 
 
 # -- the schedules ---------------------------------------------------------------
@@ -108,7 +108,7 @@ def reference(global_batch):
     t = cfg.train
     import dataclasses
 
-    return train_single(dataclasses.replace(cfg, train=dataclasses.replace(t, micro_batch=global_batch)))
+    return RunRecord.of(train_single(dataclasses.replace(cfg, train=dataclasses.replace(t, micro_batch=global_batch))))
 
 
 RUNS = [  # (world, pp, schedule, m, v, tp, zero)
@@ -130,14 +130,14 @@ def _label(world, pp, name, m, v, tp, zero):
             + (f" x tp {tp}" if tp > 1 else "") + (f" zero {zero}" if zero else ""))
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("world,pp,name,m,v,tp,zero", RUNS, ids=[_label(*r).replace(" ", "-") for r in RUNS])
 def test_matches_the_single_process_run(world, pp, name, m, v, tp, zero):
     cfg = validate(config(world, pp, name, m, v, tp, zero), world)
     ref = reference(cfg.global_batch)
     per_rank = train_parallel(cfg, world)
-    for rank, (losses, state, _) in enumerate(per_rank):
-        assert_matches(compare(_label(world, pp, name, m, v, tp, zero), ref.losses, ref.state, losses, state,
-                               record=rank == 0))
+    for rank, got in enumerate(per_rank):
+        assert_matches(compare(_label(world, pp, name, m, v, tp, zero), ref, got, record=rank == 0))
 
 
 # -- errors and pictures ---------------------------------------------------------------

@@ -40,7 +40,7 @@ def measured(cfg):
     world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp
     if world == 1:
         return [train_single(cfg).metrics[0]["memory"]]
-    return [memory[0] for _, _, memory in train_parallel(cfg, world)]
+    return [got.memory[0] for got in train_parallel(cfg, world)]
 
 
 def check(cfg, label):

@@ -9,7 +9,14 @@ import torch.nn.functional as F
 
 from ultrascale.config import ConfigError, ParallelConfig, RunConfig, TrainConfig, validate
 from ultrascale.model import get_preset
-from ultrascale.testing.compare import assert_matches, compare, single_process_config, train_parallel, train_single
+from ultrascale.testing.compare import (
+    RunRecord,
+    assert_matches,
+    compare,
+    single_process_config,
+    train_parallel,
+    train_single,
+)
 from ultrascale.testing.harness import run_distributed, worker_context
 
 
@@ -26,7 +33,7 @@ def config(world, tp, sp=False, zero=0, steps=4, tied=False, grad_accum=2, micro
 
 @functools.lru_cache(maxsize=None)
 def reference(world, tp, tied=False, bias=False):
-    return train_single(single_process_config(validate(config(world, tp, tied=tied, bias=bias), world)))
+    return RunRecord.of(train_single(single_process_config(validate(config(world, tp, tied=tied, bias=bias), world))))
 
 
 LAYOUTS = [  # (world, tp, sp, zero, tied)
@@ -38,6 +45,7 @@ LAYOUTS = [  # (world, tp, sp, zero, tied)
 ]
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("world,tp,sp,zero,tied", LAYOUTS,
                          ids=[f"dp{w // t}-tp{t}{'-sp' if s else ''}{f'-zero{z}' if z else ''}{'-tied' if ti else ''}"
                               for w, t, s, z, ti in LAYOUTS])
@@ -45,21 +53,22 @@ def test_matches_the_single_process_run(world, tp, sp, zero, tied):
     ref = reference(world, tp, tied)
     per_rank = train_parallel(config(world, tp, sp, zero, tied=tied), world)
     label = f"dp {world // tp} x tp {tp}{' + sp' if sp else ''}{f' zero {zero}' if zero else ''}{' tied' if tied else ''}"
-    for rank, (losses, state, _) in enumerate(per_rank):  # every rank gathers the same full parameters
-        assert_matches(compare(label, ref.losses, ref.state, losses, state, record=rank == 0))
+    for rank, got in enumerate(per_rank):  # every rank gathers the same full parameters
+        assert_matches(compare(label, ref, got, record=rank == 0))
 
 
+@pytest.mark.equivalence
 def test_biases_and_layernorm_under_tp_and_sp():
     # The GPT-style block: column biases sharded, the row bias added once after the reduction.
     ref = reference(2, 2, bias=True)
-    losses, state, _ = train_parallel(config(2, 2, sp=True, bias=True), 2)[0]
-    assert_matches(compare("tp 2 + sp, GPT block with biases", ref.losses, ref.state, losses, state))
+    got = train_parallel(config(2, 2, sp=True, bias=True), 2)[0]
+    assert_matches(compare("tp 2 + sp, GPT block with biases", ref, got))
 
 
 def test_activation_memory_falls_with_tp_and_further_with_sp():
     def act(world, tp, sp):
         per_rank = train_parallel(config(world, tp, sp, steps=1, grad_accum=1, micro_batch=4), world)
-        return max(m[0]["activations"] for _, _, m in per_rank)
+        return max(got.memory[0]["activations"] for got in per_rank)
 
     one = train_single(single_process_config(validate(config(1, 1, steps=1, grad_accum=1, micro_batch=4), 1)))
     tp1 = one.metrics[0]["memory"]["activations"]

@@ -86,6 +86,8 @@ def _add_train(sub):
 
 
 def parse_train_config(args):
+    """The RunConfig of defaults < checkpoint (with --resume) < TOML file < flags; and the
+    resumed checkpoint's meta with what was given, or None."""
     flags = {"model": {}, "parallel": {}, "train": {}}
     for _, section, dest, _, _ in TRAIN_FLAGS:
         value = getattr(args, dest)
@@ -94,30 +96,41 @@ def parse_train_config(args):
     if args.progress is not None:
         flags["train"]["progress"] = args.progress
     file_values = load_toml(args.config) if args.config else {}
-    return build_config(file_values, flags)
+    given = {s: {**file_values.get(s, {}), **flags[s]} for s in flags}
+    resumed = None
+    if given["train"].get("resume"):
+        from ultrascale.train.resume import read_meta, resume_layer
+
+        meta = read_meta(given["train"]["resume"])
+        layer = resume_layer(meta["config"], given)
+        file_values = {s: {**layer[s], **file_values.get(s, {})} for s in flags}
+        resumed = (meta, given)
+    return build_config(file_values, flags), resumed
 
 
 def _precheck(cfg) -> None:
     """Refuse, before any process starts, what the workers would refuse."""
-    from ultrascale.train import checkpoint
     from ultrascale.train.data import _text_files
 
     t = cfg.train
     if t.data and not t.data.startswith("hf:"):
         _text_files(t.data)
-    if t.resume:
-        p = cfg.parallel
-        checkpoint.check_resume(t.resume, cfg.to_dict(), p.dp * p.tp * p.pp * p.cp, t.steps)
 
 
 def cmd_train(args) -> int:
     from ultrascale.distributed.launch import is_worker, launch_local
 
-    cfg = parse_train_config(args)
+    cfg, resumed = parse_train_config(args)
     world = int(os.environ["WORLD_SIZE"]) if is_worker() else cfg.train.nproc
     if is_worker() and cfg.train.nproc not in (1, world):
         raise ConfigError(f"--nproc {cfg.train.nproc} disagrees with WORLD_SIZE={world} set by the launcher")
     cfg = validate(cfg, world)
+    if resumed:
+        from ultrascale.train.resume import check_resume, fit_global_batch
+
+        meta, given = resumed
+        cfg = validate(fit_global_batch(cfg, meta["config"], given), world)
+        check_resume(cfg.train.resume, meta, cfg)
     if not is_worker():
         _precheck(cfg)
         if cfg.train.nproc > 1:

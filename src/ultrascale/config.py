@@ -17,11 +17,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from ultrascale.errors import ConfigError
 from ultrascale.model.config import ModelConfig, get_preset
 
-
-class ConfigError(ValueError):
-    """A configuration a run cannot start with; the message says what to change."""
+__all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig", "build_config", "validate"]
 
 
 CP_ATTENTION = ("allgather", "ring", "zigzag", "ulysses")

@@ -40,7 +40,7 @@ class ModelConfig:
         return self.hidden // self.heads
 
     def validate(self) -> None:
-        from ultrascale.config import ConfigError
+        from ultrascale.errors import ConfigError
 
         for f in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "max_seq_len"):
             if getattr(self, f) <= 0:
@@ -107,7 +107,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:
-    from ultrascale.config import ConfigError
+    from ultrascale.errors import ConfigError
 
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")

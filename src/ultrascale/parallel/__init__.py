@@ -16,7 +16,9 @@
    hold different pieces of the model (tensor and pipeline parallel).
 6. `pipeline_runtime(...)`: under pipeline parallelism, the schedule replaces the
    trainer's loop over micro-batches.
-7. `full_state(...)`: the full parameters again, for comparisons and export.
+7. `full_state(...)`: the full parameters again, for comparisons and export;
+   `optimizer_chunks(...)`: where this rank's optimizer tensors sit in the full
+   parameters, for checkpoints any layout can resume.
 
 A technique that is not implemented is refused by `ultrascale.config.IMPLEMENTED`,
 never silently skipped.
@@ -82,7 +84,7 @@ def pipeline_runtime(model, ctx, cfg, grads, loss_fn, meter):
 def build_grads(model, params, ctx, cfg):
     """The gradient owner for this layout: plain, or a data-parallel mode, or ZeRO."""
     if ctx.size("dp_cp") == 1:
-        from ultrascale.train.grads import LocalGrads
+        from ultrascale.parallel.grads import LocalGrads
 
         return LocalGrads(params, cfg.train.dtype)
     from ultrascale.parallel.data_parallel import build_data_parallel
@@ -132,3 +134,24 @@ def full_state(names, params, tensors, ctx) -> dict:
         dist.all_gather_object(stages, state, group=ctx.group("pp"))
         state = {n: t for stage in stages for n, t in stage.items()}
     return state
+
+
+def optimizer_chunks(grads, names, ctx, writing: bool = False):
+    """This rank's optimizer tensors as chunks of the full parameters (parallel/placement.py).
+
+    writing=True keeps only the chunks this rank is the one to write: a replica of
+    data parallelism (without ZeRO) or a norm replicated over tp is written by the
+    first rank of its group; every rank reads all of its own.
+    """
+    from ultrascale.parallel.placement import chunks_of
+    from ultrascale.parallel.zero import ZeroDataParallel
+
+    name_of = {id(p): n for p, n in zip(grads.params, names)}
+    tp_rank = ctx.index("tp") if ctx.size("tp") > 1 else 0
+    sharded = isinstance(grads, ZeroDataParallel)
+    out = []
+    for i, (p, start, end) in enumerate(grads.main_ranges()):
+        if writing and ((not hasattr(p, "tp_dim") and tp_rank) or (not sharded and ctx.index("dp_cp"))):
+            continue
+        out += chunks_of(i, name_of[id(p)], p, tp_rank, start, end)
+    return out

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.parallel.buckets import LaunchOrder, make_buckets
-from ultrascale.train.grads import LocalGrads
+from ultrascale.parallel.grads import LocalGrads
 
 
 class _DataParallel(LocalGrads):
@@ -109,10 +109,15 @@ class BucketedDataParallel(_DataParallel):
 def build_data_parallel(model, params, ctx, cfg):
     p, dtype = cfg.parallel, cfg.train.dtype
     group, world = ctx.group("dp_cp"), ctx.size("dp_cp")
-    if p.zero:
-        from ultrascale.parallel.zero import build_zero
+    if p.zero == 3:
+        from ultrascale.parallel.zero3 import Zero3
 
-        return build_zero(model, params, ctx, cfg)
+        return Zero3(model, params, dtype, group, world, ctx.index("dp_cp"))
+    if p.zero:
+        from ultrascale.parallel.zero import ZeroDataParallel
+
+        buckets = make_buckets(params, p.bucket_mb * 2**20, pad_to=world)
+        return ZeroDataParallel(params, dtype, group, world, ctx.index("dp_cp"), p.zero, buckets)
     if p.dp_mode == "naive":
         return NaiveDataParallel(params, dtype, group, world)
     if p.dp_mode == "overlap":

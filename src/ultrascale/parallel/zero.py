@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ultrascale.parallel.buckets import Bucket, LaunchOrder, make_buckets
-from ultrascale.train.grads import LocalGrads
-from ultrascale.train.precision import DTYPES, MainParams
+from ultrascale.parallel.buckets import Bucket, LaunchOrder
+from ultrascale.parallel.grads import LocalGrads
+from ultrascale.parallel.precision import DTYPES, MainParams
 
 # torch 2.13 renamed the flat collectives; older releases in our range have only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -62,14 +62,6 @@ class ShardedMainParams(MainParams):
             for (b, start, end), m in zip(self.pieces, self.main):
                 self.shard_view(b, start, end).copy_(m)
         self.after_update()
-
-    def state_dict(self):
-        return [m.detach().clone() for m in self.main]  # fp32 too: the pieces are views of live parameters
-
-    @torch.no_grad()
-    def load_state_dict(self, saved) -> None:
-        for m, s in zip(self.main, saved):
-            m.copy_(s)
 
 
 class ZeroDataParallel(LocalGrads):
@@ -246,24 +238,19 @@ class ZeroDataParallel(LocalGrads):
         dist.all_reduce(sq, group=self.group)  # each rank holds a different shard
         return sq
 
-    # -- checkpoints and full parameters -----------------------------------
-    def state_dict(self) -> dict:
-        shards = [self._shard_view(b, *b.shard).detach().clone() for b in self.buckets]
-        return {"shards": shards, "main": self.main.state_dict()}
+    # -- where the optimizer's pieces sit, and full tensors -----------------
+    def main_ranges(self):
+        # By identity: comparing parameters with == would read ZeRO-3's freed storage.
+        offset = {id(p): off for b in self.buckets for p, off in zip(b.params, b.offsets)}
+        return [(p, start - offset[id(p)], end - offset[id(p)])
+                for (_, start, end), p in zip(self.main.pieces, self._piece_owners)]
 
     @torch.no_grad()
-    def load_state_dict(self, state) -> None:
-        for b, shard in zip(self.buckets, state["shards"]):
-            self._shard_view(b, *b.shard).copy_(shard)
-        self.main.load_state_dict(state["main"])
-        self._after_update()
-
-    @torch.no_grad()
-    def full_params(self):
-        """Every parameter in fp32, rebuilt from the shards of the master weights (an all-reduce of
-        zero-padded shards: simple, and used only for checks and export)."""
+    def _full(self, pieces):
+        """Whole tensors from this rank's pieces (of the master weights or of the gradients):
+        an all-reduce of zero-padded shards, simple, and used only for checks and export."""
         flats = {id(b): torch.zeros(b.numel, dtype=torch.float32, device=b.params[0].device) for b in self.buckets}
-        for (b, start, end), m in zip(self.main.pieces, self.main.main):
+        for (b, start, end), m in zip(self.main.pieces, pieces):
             flats[id(b)][start:end] = m.detach().float()
         by_param = {}
         for b in self.buckets:
@@ -271,14 +258,3 @@ class ZeroDataParallel(LocalGrads):
             for i, p in enumerate(b.params):
                 by_param[p] = b.view(flats[id(b)], i).clone()
         return [by_param[p] for p in self.params]
-
-
-def build_zero(model, params, ctx, cfg):
-    p = cfg.parallel
-    group, world, rank = ctx.group("dp_cp"), ctx.size("dp_cp"), ctx.index("dp_cp")
-    if p.zero == 3:
-        from ultrascale.parallel.zero3 import Zero3
-
-        return Zero3(model, params, cfg.train.dtype, group, world, rank)
-    buckets = make_buckets(params, p.bucket_mb * 2**20, pad_to=world)
-    return ZeroDataParallel(params, cfg.train.dtype, group, world, rank, p.zero, buckets)

@@ -106,13 +106,3 @@ class Zero3(ZeroDataParallel):
     def _launched(self, b) -> None:
         # All of this unit's gradients are in and being reduce-scattered: free its parameters.
         self._free(b)
-
-    def state_dict(self) -> dict:
-        return {"shards": [b.param_shard.clone() for b in self.buckets], "main": self.main.state_dict()}
-
-    @torch.no_grad()
-    def load_state_dict(self, state) -> None:
-        for b, shard in zip(self.buckets, state["shards"]):
-            b.param_shard.copy_(shard)
-        self.main.load_state_dict(state["main"])
-

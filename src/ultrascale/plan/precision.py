@@ -9,7 +9,7 @@ The playbook's accounting for Adam (section "Memory usage in transformers"):
 The optimizer's share k (moments, plus master weights in mixed precision) is 8 in
 fp32 and 12 in bf16, which is what ZeRO-1 divides (ZeRO paper, Rajbhandari et
 al. 2020, with K = 12). Our engine frees each bf16 gradient as soon as it is
-added into its fp32 `main_grad` (train/grads.py, as Megatron's main_grad does),
+added into its fp32 `main_grad` (parallel/grads.py, as Megatron's main_grad does),
 so it holds 2 + 4 + 12 = 18 bytes: a fourth recipe.
 """
 

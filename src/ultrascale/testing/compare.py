@@ -1,15 +1,31 @@
 """Prove a parallel run equals the single-process run on the same global batch.
 
 torchtitan's discipline: the 1-process run is the trusted control; a parallel
-layout must see the same tokens per step and start from the same weights, and
-then produce the same per-step losses and final parameters, up to the rounding
-of a different summation order.
+layout must see the same tokens per step and start from the same weights. What
+"equal" means has to hold on any CPU (another summation order, another kernel
+set) and still fail for a real bug. Three things are compared, each for a
+reason (the derivation is in docs/engine.md, "What equal means"):
+
+1. the first step's gradients, per tensor, before clipping and before any
+   optimizer update: the parallel algebra itself (every shard, sum, average and
+   micro-batch), with nothing in between to amplify a rounding difference or to
+   hide a constant factor (clipping rescales to a fixed norm, Adam divides the
+   scale away);
+2. the per-step losses and gradient norms (before clipping): the run stays on
+   the same trajectory, and a wrong scale shows in the norm at every step;
+3. the final parameters, per tensor, by the mean absolute difference measured
+   against the distance AdamW can move an element (the sum of the learning
+   rates): a summation-order difference in a gradient element within rounding
+   noise of Adam's epsilon changes that element's update by a sizeable part of
+   lr, which an element-wise bound cannot tell from a bug; such elements are
+   few, and the mean over a tensor dilutes them, while a bug moves many.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,81 +37,180 @@ from ultrascale.testing.harness import run_distributed, worker_context
 REPORT: list[str] = []
 
 
+@dataclass(frozen=True)
+class Tolerance:
+    """Bounds of one comparison; see docs/engine.md for where each number comes from."""
+
+    loss_rtol: float  # per step, |a - b| / |b|
+    grad_rtol: float  # first-step gradient, per tensor ||a - b|| / ||b||
+    norm_rtol: float  # gradient norm before clipping, every step, |a - b| / |b|
+    param_mean: float  # final parameters, per tensor mean(|a - b|) / (sum of the learning rates)
+
+
+# fp32 (unit roundoff 6e-8). Measured over every layout of the suite under the
+# default, avx2 and avx512 kernel sets: gradients <= 7e-7, norms <= 4e-6 (later steps
+# inherit the parameter differences), parameters <= 2.4e-5. A gradient averaged over
+# N + 1 ranks is off by 1/(N+1); one scaled by 1.01 is off by 1e-2; weight decay
+# applied to the wrong tensors moves parameters by ~wd * |w| = 2e-3 of sum(lr).
+FP32 = Tolerance(loss_rtol=1e-5, grad_rtol=1e-5, norm_rtol=1e-4, param_mean=3e-4)
+# bf16 compute (unit roundoff 3.9e-3) against one process fed the same micro-batches:
+# matmuls split across ranks round their partial sums to bf16 at other points.
+BF16 = Tolerance(loss_rtol=2e-3, grad_rtol=3e-2, norm_rtol=3e-2, param_mean=3e-2)
+
+
+@dataclass
+class RunRecord:
+    """What a run is compared by; `of(result)` takes it from a TrainResult or a worker's return value."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    lrs: list[float]
+    first_grads: dict[str, torch.Tensor] | None
+    state: dict[str, torch.Tensor]
+    memory: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, result) -> "RunRecord":
+        m = result.metrics
+        return cls(result.losses, [x["grad_norm"] for x in m], [x["lr"] for x in m], result.first_grads,
+                   result.state, [x["memory"] for x in m])
+
+
 @dataclass
 class Comparison:
     label: str
     steps: int
     max_loss_rel: float
-    max_param_abs: float
-    max_param_rel_l2: float  # max over tensors of ||a - b|| / ||b||
+    max_norm_rel: float
+    max_grad_rel_l2: float  # first step, max over tensors of ||a - b|| / ||b||
+    worst_grad: str
+    max_param_mean: float  # max over tensors of mean(|a - b|) / sum(lr)
+    worst_param: str
+    max_param_abs: float  # reported, not bounded (see the module docstring)
 
     def line(self) -> str:
-        return (f"{self.label}: {self.steps} steps, max loss rel diff {self.max_loss_rel:.2e}, "
-                f"max param abs diff {self.max_param_abs:.2e}, max tensor rel L2 diff {self.max_param_rel_l2:.2e}")
+        return (f"{self.label}: {self.steps} steps, loss rel {self.max_loss_rel:.1e}, grad norm rel "
+                f"{self.max_norm_rel:.1e}, step-1 grad rel L2 {self.max_grad_rel_l2:.1e} ({self.worst_grad}), "
+                f"param mean diff/sum(lr) {self.max_param_mean:.1e} ({self.worst_param}), "
+                f"param max abs {self.max_param_abs:.1e}")
+
+    def failures(self, tol: Tolerance) -> list[str]:
+        out = []
+        if not self.max_loss_rel <= tol.loss_rtol:
+            out.append(f"loss rel {self.max_loss_rel:.2e} > {tol.loss_rtol:g}")
+        if not self.max_norm_rel <= tol.norm_rtol:
+            out.append(f"grad norm rel {self.max_norm_rel:.2e} > {tol.norm_rtol:g}")
+        if not self.max_grad_rel_l2 <= tol.grad_rtol:
+            out.append(f"step-1 gradient of {self.worst_grad}: rel L2 {self.max_grad_rel_l2:.2e} > {tol.grad_rtol:g}")
+        if not self.max_param_mean <= tol.param_mean:
+            out.append(f"parameter {self.worst_param}: mean diff / sum(lr) {self.max_param_mean:.2e} > "
+                       f"{tol.param_mean:g}")
+        return out
 
 
-def single_process_config(cfg: RunConfig) -> RunConfig:
-    """The control for `cfg`: one process, one micro-batch holding the whole global batch."""
-    t = dataclasses.replace(cfg.train, micro_batch=cfg.global_batch, grad_accum=1, nproc=1)
-    return dataclasses.replace(cfg, parallel=ParallelConfig(dp=1), train=t)
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    diff = (a.float() - b.float()).norm().item()
+    ref = b.float().norm().item()
+    return 0.0 if diff == 0 else diff / ref if ref > 0 else math.inf
 
 
-def _train_on_worker(cfg: RunConfig):
-    from ultrascale.train.trainer import run_training
-
-    ctx = worker_context(cfg.parallel)
-    result = run_training(cfg, ctx)
-    return result.losses, result.state, [m["memory"] for m in result.metrics]
-
-
-def train_single(cfg: RunConfig):
-    from ultrascale.distributed.context import build_context
-    from ultrascale.train.trainer import run_training
-
-    cfg = validate(cfg, 1)
-    return run_training(cfg, build_context(cfg.parallel, 0, 1))
-
-
-def train_parallel(cfg: RunConfig, world_size: int, timeout: float = 300):
-    """Train `cfg` on world_size pooled gloo processes; per rank: (losses, final state, memory per step)."""
-    cfg = validate(cfg, world_size)
-    return run_distributed(world_size, _train_on_worker, cfg, timeout=timeout)
-
-
-def compare(label: str, ref_losses, ref_state, losses, state, record: bool = True) -> Comparison:
-    assert len(losses) == len(ref_losses), f"{label}: {len(losses)} steps vs {len(ref_losses)}"
-    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    assert ref_state.keys() == state.keys(), f"{label}: parameter names differ: {ref_state.keys() ^ state.keys()}"
-    abs_diff = rel_l2 = 0.0
-    for name, ref in ref_state.items():
-        diff = state[name].float() - ref.float()
-        abs_diff = max(abs_diff, diff.abs().max().item())
-        rel_l2 = max(rel_l2, (diff.norm() / ref.float().norm().clamp_min(1e-12)).item())
-    c = Comparison(label, len(losses), loss_rel, abs_diff, rel_l2)
+def compare(label: str, ref: RunRecord, got: RunRecord, record: bool = True) -> Comparison:
+    assert len(got.losses) == len(ref.losses), f"{label}: {len(got.losses)} steps vs {len(ref.losses)}"
+    assert ref.state.keys() == got.state.keys(), f"{label}: parameter names differ: {ref.state.keys() ^ got.state.keys()}"
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses))
+    norm_rel = max(abs(a - b) / abs(b) for a, b in zip(got.grad_norms, ref.grad_norms))
+    grad_rel, worst_grad = 0.0, "-"
+    if ref.first_grads is not None or got.first_grads is not None:
+        assert ref.first_grads is not None and got.first_grads is not None, f"{label}: first-step gradients missing"
+        assert ref.first_grads.keys() == got.first_grads.keys(), f"{label}: gradient names differ"
+        for name, g in ref.first_grads.items():
+            r = _rel_l2(got.first_grads[name], g)
+            if r > grad_rel or worst_grad == "-":
+                grad_rel, worst_grad = r, name
+    distance = sum(ref.lrs)  # how far AdamW can move one element: about lr per step
+    mean, worst_param, abs_diff = 0.0, "-", 0.0
+    for name, p in ref.state.items():
+        diff = (got.state[name].float() - p.float()).abs()
+        abs_diff = max(abs_diff, diff.max().item())
+        r = diff.mean().item() / distance
+        if r > mean or worst_param == "-":
+            mean, worst_param = r, name
+    c = Comparison(label, len(got.losses), loss_rel, norm_rel, grad_rel, worst_grad, mean, worst_param, abs_diff)
     if record:
         REPORT.append(c.line())
     return c
 
 
-# Parameters after a few AdamW steps: a gradient element near zero gets an update
-# of about lr * sign(g), so a rounding difference of 1e-7 in such an element can
-# move it by ~1e-5 while the rest agrees to ~1e-6. A real error (a wrong shard, a
-# sum instead of a mean) moves elements by ~lr = 1e-3, a hundred times more.
-PARAM_ATOL = 2e-5
+def assert_matches(c: Comparison, tol: Tolerance = FP32) -> None:
+    failures = c.failures(tol)
+    assert not failures, f"{c.line()}\n  fails: " + "; ".join(failures)
 
 
-def assert_matches(c: Comparison, loss_rtol: float = 1e-5, param_atol: float = PARAM_ATOL) -> None:
-    assert c.max_loss_rel <= loss_rtol and c.max_param_abs <= param_atol, (
-        f"{c.line()} exceeds loss rtol {loss_rtol:g} / param atol {param_atol:g}")
+# -- running the two sides ------------------------------------------------------
+def single_process_config(cfg: RunConfig, same_micro_batches: bool = False) -> RunConfig:
+    """The control for `cfg`: one process, one micro-batch holding the whole global batch; or,
+    with same_micro_batches, the parallel run's micro-batches accumulated one after another
+    (the control for bf16, whose rounding depends on the micro-batch size)."""
+    if same_micro_batches:
+        t = dataclasses.replace(cfg.train, grad_accum=cfg.global_batch // cfg.train.micro_batch, nproc=1)
+    else:
+        t = dataclasses.replace(cfg.train, micro_batch=cfg.global_batch, grad_accum=1, nproc=1)
+    return dataclasses.replace(cfg, parallel=ParallelConfig(dp=1), train=t)
 
 
-def check_against_single(label: str, cfg: RunConfig, world_size: int, loss_rtol=1e-5, param_atol=PARAM_ATOL,
-                         rank_with_state: int = 0) -> Comparison:
-    """Run cfg on world_size processes and its single-process control; assert they match."""
+def _train_on_worker(cfg: RunConfig, fault: str | None = None):
+    from ultrascale.testing.faults import inject
+    from ultrascale.train.trainer import run_training
+
+    ctx = worker_context(cfg.parallel)
+    with inject(fault):
+        result = run_training(cfg, ctx, keep_first_grads=True)
+    return RunRecord.of(result)
+
+
+def train_single(cfg: RunConfig, fault: str | None = None):
+    """One process, in this process; the TrainResult (with the first step's gradients)."""
+    from ultrascale.distributed.context import build_context
+    from ultrascale.testing.faults import inject
+    from ultrascale.train.trainer import run_training
+
+    cfg = validate(cfg, 1)
+    with inject(fault):
+        return run_training(cfg, build_context(cfg.parallel, 0, 1), keep_first_grads=True)
+
+
+def train_parallel(cfg: RunConfig, world_size: int, timeout: float = 300, fault: str | None = None) -> list[RunRecord]:
+    """Train `cfg` on world_size pooled gloo processes; a RunRecord per rank. `fault` names a
+    deliberate bug from testing/faults.py to run the engine with (for tests of the tests)."""
     cfg = validate(cfg, world_size)
-    ref = train_single(single_process_config(cfg))
-    per_rank = train_parallel(cfg, world_size)
-    losses, state, _ = per_rank[rank_with_state]
-    c = compare(label, ref.losses, ref.state, losses, state)
-    assert_matches(c, loss_rtol, param_atol)
-    return c
+    return run_distributed(world_size, _train_on_worker, cfg, fault, timeout=timeout)
+
+
+def compare_against_single(label: str, cfg: RunConfig, world_size: int, fault: str | None = None,
+                           every_rank: bool = False) -> list[Comparison]:
+    """Run cfg on world_size processes and its single-process control; the comparison of
+    rank 0 (or of every rank: each gathers the full gradients and parameters).
+
+    fp32 runs are compared with one process holding the whole global batch in one
+    micro-batch; bf16 runs with one process fed the same micro-batches (bf16 rounding
+    depends on the micro-batch, not on the layout).
+    """
+    cfg = validate(cfg, world_size)
+    ref = RunRecord.of(train_single(single_process_config(cfg, same_micro_batches=cfg.train.dtype != "fp32")))
+    per_rank = train_parallel(cfg, world_size, fault=fault)
+    label = label + (f" [fault: {fault}]" if fault else "")
+    return [compare(label, ref, got, record=rank == 0 and not fault)
+            for rank, got in enumerate(per_rank if every_rank else per_rank[:1])]
+
+
+def tolerance_for(cfg: RunConfig) -> Tolerance:
+    return FP32 if cfg.train.dtype == "fp32" else BF16
+
+
+def check_against_single(label: str, cfg: RunConfig, world_size: int, tol: Tolerance | None = None,
+                         every_rank: bool = False) -> Comparison:
+    """compare_against_single, asserting that every compared rank matches."""
+    comparisons = compare_against_single(label, cfg, world_size, every_rank=every_rank)
+    for c in comparisons:
+        assert_matches(c, tol or tolerance_for(cfg))
+    return comparisons[0]

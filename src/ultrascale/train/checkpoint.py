@@ -1,91 +1,213 @@
-"""Save and resume a run: model, optimizer, RNG and data position, written atomically.
+"""Checkpoints in torch.distributed.checkpoint (DCP), resumable in any layout.
 
-Layout of a checkpoint directory:
-    meta.json        step, the run's configuration, world size
-    rank00000.pt     each rank's model and optimizer state (its shards, if sharded)
+A checkpoint directory:
+    meta.json          step, the run's configuration, the layout it was written by
+    .metadata          DCP's index: every tensor's full shape and where each chunk lies
+    __N_0.distcp       the chunks rank N wrote
 
-Every rank writes into `DIR.tmp`; when all have finished, rank 0 moves the old
-checkpoint aside and renames `DIR.tmp` to `DIR`, so an interrupted save leaves
-the previous checkpoint intact and never a half-written one. The data position
-is the step: the batches are a pure function of (seed, step).
+What is stored is layout-free: for every parameter, under its single-device
+name, the fp32 master value (`model.<name>`) and AdamW's two moments
+(`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`), as rectangular chunks of the
+full tensor with their offsets (parallel/placement.py says which chunks this
+rank holds: whole parameters, tensor-parallel slabs, ZeRO flat pieces cut into
+rectangles). DCP's own resharding then gives every rank of any other layout
+exactly the elements it holds, and the standard tools read it:
+`python -m torch.distributed.checkpoint.format_utils dcp_to_torch_save DIR out.pt`
+gives one file of full tensors. Adam's step count is the training step (AdamW
+steps once per training step), kept in meta.json with the data position: the
+batches are a pure function of (seed, step).
+
+Saves are atomic: every rank writes into `DIR.tmp`; when all have finished,
+rank 0 adds meta.json and renames it to `DIR`. An interrupted save leaves the
+previous checkpoint intact, and the next save (or a failed one) removes the
+partial `DIR.tmp`. Every rank must see the same directory: on several machines,
+a filesystem shared by all of them (checked when the run starts, see
+`check_shared`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ultrascale.config import ConfigError
-
-FORMAT = 1
-
-
-def _rank_file(path: str, rank: int) -> str:
-    return os.path.join(path, f"rank{rank:05d}.pt")
+from ultrascale.train.resume import FORMAT, read_meta
+KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
 
 
-def save(path: str, ctx, step: int, run_config: dict, state: dict) -> None:
+# -- DCP planners over explicit chunks ------------------------------------------
+class _ChunkSavePlanner(DefaultSavePlanner):
+    """Writes the given {(fqn, offsets): tensor} chunks of tensors of known full shapes.
+    DCP's global plan merges every rank's chunks into one index and checks they tile
+    each tensor exactly."""
+
+    def __init__(self, chunks: dict, full_shapes: dict):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks, self.full_shapes = chunks, full_shapes
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+        super().set_up_planner({}, storage_meta, is_coordinator)
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(
+                               chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.shape),
+                               properties=TensorProperties.create_from_tensor(t),
+                               size=torch.Size(self.full_shapes[fqn])))
+                 for (fqn, offsets), t in self.chunks.items()]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item):
+        return self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
+
+
+class _ChunkLoadPlanner(DefaultLoadPlanner):
+    """Reads into the given {(fqn, offsets): tensor view} chunks, whatever chunks were saved."""
+
+    def __init__(self, chunks: dict):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = chunks
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        super().set_up_planner({}, metadata, is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        by_fqn: dict[str, list] = {}
+        for fqn, offsets in self.chunks:
+            by_fqn.setdefault(fqn, []).append(offsets)
+        items = []
+        for fqn, offsets_list in by_fqn.items():
+            saved = self.metadata.state_dict_metadata.get(fqn)
+            if saved is None:
+                raise ConfigError(f"the checkpoint has no tensor {fqn!r}: it was written for another model")
+            wanted = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=self.chunks[(fqn, o)].shape)
+                      for o in offsets_list]
+            items += create_read_items_for_chunk_list(fqn, saved, wanted)
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index):
+        return self.chunks[(index.fqn, tuple(index.offset))]
+
+
+# -- what this rank holds ------------------------------------------------------------
+def _optimizer_chunks(trainer, writing: bool) -> tuple[dict, dict]:
+    """{(fqn, offsets): view} of this rank's masters and Adam moments, and {fqn: full shape}."""
+    from ultrascale import parallel
+
+    opt, main = trainer.opt, trainer.main.main
+    chunks, shapes = {}, {}
+    for c in parallel.optimizer_chunks(trainer.grads, trainer.names, trainer.ctx, writing):
+        m = main[c.index]
+        state = opt.state[m]
+        for kind, tensor in zip(KINDS, (m.detach(), state["exp_avg"], state["exp_avg_sq"])):
+            fqn = f"{kind}.{c.name}"
+            chunks[(fqn, c.offsets)] = c.view(tensor)
+            shapes[fqn] = c.full_shape
+    return chunks, shapes
+
+
+def _ensure_adam_state(opt, step: int) -> None:
+    """AdamW creates its state on the first step; a resumed run needs it now, to load into."""
+    for group in opt.param_groups:
+        for m in group["params"]:
+            state = opt.state[m]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+# -- save and load -------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns that one process means no process group: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
+
+
+def _paths(path: str):
     path = path.rstrip("/")
-    tmp, old = path + ".tmp", path + ".old"
+    return path, path + ".tmp", path + ".old"
+
+
+def save(path: str, trainer) -> None:
+    ctx = trainer.ctx
+    path, tmp, old = _paths(path)
     if ctx.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial save of an earlier, interrupted run
         os.makedirs(tmp)
     ctx.barrier()
-    state = dict(state, rng_cpu=torch.get_rng_state(),
-                 rng_cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    part = _rank_file(tmp, ctx.rank)
-    torch.save(state, part + ".part")
-    os.replace(part + ".part", part)
-    ctx.barrier()
-    if ctx.rank == 0:
-        meta = {"format": FORMAT, "step": step, "world_size": ctx.world_size, "config": run_config}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=2)
-        if os.path.exists(path):
+    try:
+        chunks, shapes = _optimizer_chunks(trainer, writing=True)
+        with _quiet():
+            dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp), planner=_ChunkSavePlanner(chunks, shapes),
+                     no_dist=not ctx.is_distributed)
+        ctx.barrier()
+        if ctx.rank == 0:
+            meta = {"format": FORMAT, "step": trainer.step, "world_size": ctx.world_size,
+                    "config": trainer.cfg.to_dict()}
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump(meta, f, indent=2)
+            if os.path.exists(path):
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
+            os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        if ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     ctx.barrier()
 
 
-def read_meta(path: str) -> dict:
-    meta_file = os.path.join(path, "meta.json")
-    if not os.path.isfile(meta_file):
-        raise ConfigError(f"--resume {path}: no meta.json, not a checkpoint written by --save")
-    with open(meta_file) as f:
-        return json.load(f)
-
-
-def check_compatible(path: str, meta: dict, run_config: dict, world_size: int) -> None:
-    """Refuse, with the reason, a checkpoint that this run cannot continue."""
-    saved_model, model = meta["config"]["model"], run_config["model"]
-    diffs = [f"{k} {saved_model.get(k)} vs {model[k]}" for k in model
-             if k not in ("name",) and saved_model.get(k) != model[k]]
-    if diffs:
-        raise ConfigError(f"--resume {path} holds a model of another shape ({'; '.join(diffs[:3])}): "
-                          f"resume with the same model flags or start a new run")
-    if meta["world_size"] != world_size or meta["config"]["parallel"] != run_config["parallel"]:
-        raise ConfigError(f"--resume {path} was written by another parallel layout "
-                          f"({meta['config']['parallel']}): resume with the same layout")
-
-
-def check_resume(path: str, run_config: dict, world_size: int, steps: int) -> dict:
-    """Everything that makes `path` unusable for this run, refused before any work; returns its meta."""
+def load(path: str, trainer) -> int:
+    """Fill this rank's masters and Adam moments from `path`, whatever layout wrote it; the step."""
     meta = read_meta(path)
-    check_compatible(path, meta, run_config, world_size)
-    if meta["step"] >= steps:
-        raise ConfigError(f"--resume {path} is already at step {meta['step']} and --steps {steps} "
-                          f"counts all steps: pass a larger --steps")
-    return meta
+    _ensure_adam_state(trainer.opt, meta["step"])
+    chunks, _ = _optimizer_chunks(trainer, writing=False)
+    with _quiet():
+        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(chunks),
+                 no_dist=not trainer.ctx.is_distributed)
+    trainer.main.copy_to_model()  # masters -> compute parameters (and ZeRO's all-gather)
+    return meta["step"]
 
 
-def load(path: str, rank: int) -> dict:
-    state = torch.load(_rank_file(path, rank), map_location="cpu", weights_only=False)
-    torch.set_rng_state(state["rng_cpu"])
-    if state.get("rng_cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng_cuda"])
-    return state
+def read_full_state(path: str) -> tuple[dict, dict]:
+    """(the run's configuration, {single-device name: full fp32 tensor}) of a checkpoint, in
+    this one process (for export): DCP assembles each tensor from the chunks of all ranks."""
+    meta = read_meta(path)
+    index = dcp.FileSystemReader(path).read_metadata()
+    full = {fqn[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
+            for fqn, md in index.state_dict_metadata.items() if fqn.startswith("model.")}
+    chunks = {(f"model.{name}", (0,) * t.dim()): t for name, t in full.items()}
+    with _quiet():
+        dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(chunks), no_dist=True)
+    return meta["config"], full
+
+
+def check_shared(path: str, ctx) -> None:
+    """Before training: every rank must see the directory rank 0 creates (one filesystem)."""
+    if not ctx.is_distributed:
+        return
+    _, tmp, _ = _paths(path)
+    if ctx.rank == 0:
+        os.makedirs(tmp, exist_ok=True)
+    ctx.barrier()
+    missing = torch.tensor([0 if os.path.isdir(tmp) else 1])
+    dist.all_reduce(missing)
+    if missing.item():
+        raise ConfigError(f"--save {path}: {missing.item()} of {ctx.world_size} ranks cannot see the directory "
+                          f"rank 0 created: checkpoints need a filesystem shared by every node")

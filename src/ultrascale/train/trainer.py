@@ -21,7 +21,7 @@ from ultrascale import parallel
 from ultrascale.config import RunConfig
 from ultrascale.distributed.context import ParallelContext
 from ultrascale.model import build_model, flops_per_token
-from ultrascale.train import checkpoint
+from ultrascale.train import checkpoint, resume
 from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_tflops, storage_bytes
 from ultrascale.train.optim import build_adamw, clip_grad_norm_, lr_at
@@ -33,11 +33,16 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
     state: dict | None = None  # the final fp32 parameters, by single-device name
+    # The first step's reduced gradients (before clipping and any update), by single-device
+    # name; kept only when asked for (run_training(..., keep_first_grads=True)).
+    first_grads: dict | None = None
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, ctx: ParallelContext, log_to_stdout: bool = False):
+    def __init__(self, cfg: RunConfig, ctx: ParallelContext, log_to_stdout: bool = False,
+                 keep_first_grads: bool = False):
         self.cfg, self.ctx, self.log_to_stdout = cfg, ctx, log_to_stdout
+        self.keep_first_grads, self.first_grads = keep_first_grads, None
         t = cfg.train
         tokenizer = load_tokenizer(t.tokenizer)
         if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -67,6 +72,8 @@ class Trainer:
         self.step = 0
         if t.resume:
             self._resume(t.resume)
+        if t.save:
+            checkpoint.check_shared(t.save, ctx)  # before any work, not after the last step
 
     # -- one step -----------------------------------------------------------
     def forward_backward(self, micro_batches) -> float:
@@ -93,6 +100,9 @@ class Trainer:
         self.grads.zero()
         loss = self.forward_backward(micro_batches)
         self.grads.finish()
+        if self.keep_first_grads and self.first_grads is None:
+            # The parallel algebra itself, before the optimizer can amplify or hide anything.
+            self.first_grads = parallel.full_state(self.names, self.grads.params, self.grads.full_grads(), ctx)
         grads = self.grads.grads()
         grad_norm = clip_grad_norm_(grads, t.grad_clip, self._reduce_norm_sq, self.norm_shares)
         lr = lr_at(self.step, t)
@@ -152,6 +162,7 @@ class Trainer:
         if t.pp_trace and self.pipeline is not None:
             self.pipeline.write_trace(t.pp_trace, self.cfg.parallel.pp_schedule)
         result.state = self.full_state_dict()
+        result.first_grads = self.first_grads
         return result
 
     def full_state_dict(self) -> dict:
@@ -160,15 +171,12 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------
     def save(self, path: str) -> None:
-        state = {"step": self.step, "params": self.grads.state_dict(), "optimizer": self.opt.state_dict()}
-        checkpoint.save(path, self.ctx, self.step, self.cfg.to_dict(), state)
+        checkpoint.save(path, self)
 
     def _resume(self, path: str) -> None:
-        checkpoint.check_resume(path, self.cfg.to_dict(), self.ctx.world_size, self.cfg.train.steps)
-        state = checkpoint.load(path, self.ctx.rank)
-        self.grads.load_state_dict(state["params"])
-        self.opt.load_state_dict(state["optimizer"])
-        self.step = state["step"]
+        """Continue from `path`, whatever layout wrote it (train/checkpoint.py)."""
+        resume.check_resume(path, checkpoint.read_meta(path), self.cfg)
+        self.step = checkpoint.load(path, self)
 
 
 class _Log:
@@ -224,5 +232,6 @@ def format_step(m: dict) -> str:
             f"act {_mb(mem['activations'])}")
 
 
-def run_training(cfg: RunConfig, ctx: ParallelContext, log_to_stdout: bool = False) -> TrainResult:
-    return Trainer(cfg, ctx, log_to_stdout).fit()
+def run_training(cfg: RunConfig, ctx: ParallelContext, log_to_stdout: bool = False,
+                 keep_first_grads: bool = False) -> TrainResult:
+    return Trainer(cfg, ctx, log_to_stdout, keep_first_grads).fit()

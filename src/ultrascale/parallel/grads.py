@@ -19,7 +19,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ultrascale.train.precision import MainParams
+from ultrascale.parallel.precision import MainParams
 
 
 class LocalGrads:
@@ -89,16 +89,21 @@ class LocalGrads:
         """The tensors holding this rank's parameters, for memory accounting."""
         return self.params
 
-    # -- what a checkpoint holds, and the full parameters -------------------
-    def state_dict(self) -> dict:
-        return {"params": [p.detach() for p in self.params], "main": self.main.state_dict()}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        for p, saved in zip(self.params, state["params"]):
-            p.copy_(saved)
-        self.main.load_state_dict(state["main"])
+    # -- where the optimizer's tensors sit, and the full parameters ----------
+    def main_ranges(self) -> list[tuple[torch.nn.Parameter, int, int]]:
+        """For each tensor of `main.main`: (its parameter, start, end), the flat range of this
+        rank's parameter it holds (checkpoints place it in the full tensor: parallel/placement.py)."""
+        return [(p, 0, p.numel()) for p in self.params]
 
     def full_params(self) -> list[torch.Tensor]:
         """Every parameter in full, fp32, on every rank (for comparisons and export)."""
-        return [m.detach().float().clone() for m in self.main.main]
+        return self._full(self.main.main)
+
+    def full_grads(self) -> list[torch.Tensor]:
+        """Every parameter's reduced fp32 gradient in full, on every rank: valid between
+        finish() and the optimizer step (for comparisons with the single-process run)."""
+        return self._full(self.grads())
+
+    def _full(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Whole tensors, one per parameter, from tensors aligned with `main.main`."""
+        return [t.detach().float().clone() for t in pieces]

@@ -50,12 +50,3 @@ class MainParams:
     def master_bytes(self) -> int:
         """Bytes of fp32 master copies (none in fp32: the optimizer updates the model in place)."""
         return sum(m.numel() * m.element_size() for m in self.main) if self.mixed else 0
-
-    def state_dict(self):
-        return [m.detach() for m in self.main] if self.mixed else None
-
-    @torch.no_grad()
-    def load_state_dict(self, saved) -> None:
-        if saved is not None:
-            for m, s in zip(self.main, saved):
-                m.copy_(s)

@@ -1,0 +1,183 @@
+"""Deliberate bugs, to prove the equivalence checks can fail.
+
+A check that passes on the engine proves little until it is seen to fail on
+an engine that is wrong. Each fault below is a small, realistic mistake in the
+parallel algebra, patched into the running process for the duration of one run
+(`with inject(name): ...`); the tests assert that `check_against_single` rejects
+the run. Several are invisible to a comparison of losses and final parameters
+alone: gradient clipping rescales every gradient to the same norm and Adam
+divides the scale away, so a constant factor survives only in the gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+FAULTS = {
+    "grads-scaled-1.01": "every reduced gradient 1% too large (an average over world / 1.01 ranks)",
+    "dp-wrong-group-size": "data-parallel gradients divided by N + 1 instead of N",
+    "sp-norm-grads-not-summed": "under sequence parallelism, norm weight gradients not summed over tp",
+    "last-bucket-dropped": "the last bucket's collective never launched",
+    "micro-batch-counted-twice": "the first micro-batch accumulated again in place of the last",
+    # Context parallelism (parallel/context/).
+    "cp-local-positions": "RoPE given each shard's local positions 0..s/cp-1 instead of its global ones",
+    "cp-contiguous-positions": "zig-zag shards rotated by the positions of contiguous shards",
+    "cp-grads-reduced-over-dp-only": "gradients averaged over dp, not dp x cp: the cp ranks' parts never combined",
+    "cp-merge-by-average": "ring blocks merged by a plain average instead of by their log-sum-exp",
+    "cp-no-causal-skip": "key chunks after a query chunk attended to in full instead of skipped",
+    "cp-zigzag-read-as-contiguous": "the ring takes zig-zag shards for contiguous ones",
+    "cp-scatter-without-sum": "all-gather attention: each rank keeps its own block of dK/dV, not the sum over ranks",
+    "cp-all-to-all-reversed": "Ulysses: the all-to-all's pieces concatenated in reverse rank order",
+}
+
+
+def _wrap_build_grads(after):
+    """Patch the gradient owner the trainer builds: `after(owner)` adjusts it."""
+    from ultrascale import parallel
+
+    original = parallel.build_grads
+
+    def build(*args, **kwargs):
+        owner = original(*args, **kwargs)
+        after(owner)
+        return owner
+
+    return mock.patch.object(parallel, "build_grads", build)
+
+
+def _scale_after_finish(owner, factor):
+    finish = owner.finish
+
+    def scaled_finish():
+        finish()
+        for g in owner.grads():
+            g.mul_(factor)
+
+    owner.finish = scaled_finish
+
+
+def _wrong_group_size(owner):
+    from ultrascale.parallel.zero import ZeroDataParallel
+
+    world = getattr(owner, "world", 1)
+    if isinstance(owner, ZeroDataParallel):  # world also sets the shards there: scale the launch instead
+        launch = owner._launch
+
+        def wrong_launch(b):
+            b.grad.mul_(world / (world + 1))
+            launch(b)
+
+        owner._launch = wrong_launch
+    elif world > 1:
+        owner.world = world + 1
+
+
+def _drop_last_bucket(owner):
+    launch = getattr(owner, "_launch", None)
+    if launch is None:
+        return
+    last = max(b.index for b in owner.buckets)
+    owner._launch = lambda b: None if b.index == last else launch(b)
+
+
+def _count_first_twice():
+    from ultrascale.train.data import TokenBatches
+
+    original = TokenBatches.micro_batches
+
+    def twice(self, *args, **kwargs):
+        mbs = original(self, *args, **kwargs)
+        return mbs[:-1] + mbs[:1] if len(mbs) > 1 else mbs
+
+    return mock.patch.object(TokenBatches, "micro_batches", twice)
+
+
+def _sp_norms_not_summed():
+    from ultrascale.parallel.tensor import apply, layers
+
+    return mock.patch.object(apply, "replicated", lambda p, world, sum_group=None: layers.replicated(p, world))
+
+
+def _context_parallel(name: str):
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from ultrascale import parallel
+    from ultrascale.parallel import context
+    from ultrascale.parallel.context import blocks, comm, ring, sharding
+
+    def positions(new):
+        original = context.shard_micro_batches
+
+        def shard(micro_batches, rank, cp, variant):
+            return [(x, y, new(x.shape[1] * cp, rank, cp)) for x, y, _ in original(micro_batches, rank, cp, variant)]
+
+        return mock.patch.object(context, "shard_micro_batches", shard)
+
+    if name == "cp-local-positions":
+        return positions(lambda s, rank, cp: torch.arange(s // cp))
+    if name == "cp-contiguous-positions":
+        return positions(lambda s, rank, cp: sharding.shard_positions(s, rank, cp, "contiguous"))
+    if name == "cp-grads-reduced-over-dp-only":
+        build = parallel.build_grads
+
+        def over_dp(model, params, ctx, cfg):
+            dp_only = dataclasses.replace(ctx, groups={**ctx.groups, "dp_cp": ctx.groups.get("dp")},
+                                          group_ranks={**ctx.group_ranks, "dp_cp": ctx.group_ranks["dp"]})
+            return build(model, params, dp_only, cfg)
+
+        return mock.patch.object(parallel, "build_grads", over_dp)
+    if name == "cp-merge-by-average":
+        def average(out, lse, block_out, block_lse):
+            out.copy_(block_out if torch.isinf(lse).all() else (out + block_out) / 2)
+            lse.copy_(torch.logaddexp(lse, block_lse))
+
+        return mock.patch.object(blocks, "merge", average)
+    if name == "cp-no-causal-skip":
+        return mock.patch.object(blocks, "chunk_pairs", lambda qc, kc: (
+            (i, j, a == c) for i, a in enumerate(qc) for j, c in enumerate(kc)))
+    if name == "cp-zigzag-read-as-contiguous":
+        return mock.patch.object(ring, "chunks_of", lambda rank, cp, layout: [rank])
+    if name == "cp-scatter-without-sum":
+        def keep_own(out, inp, group=None):
+            out.copy_(inp.view(dist.get_world_size(group), -1)[dist.get_rank(group)])
+
+        return mock.patch.object(comm, "_reduce_scatter", keep_own)
+    if name == "cp-all-to-all-reversed":
+        original = comm.all_to_all
+
+        def reversed_order(x, cpg, scatter_dim, gather_dim, phase):
+            out = original(x, cpg, scatter_dim, gather_dim, phase)
+            return torch.cat(out.chunk(cpg.size, dim=gather_dim)[::-1], dim=gather_dim)
+
+        return mock.patch.object(comm, "all_to_all", reversed_order)
+    raise KeyError(f"unknown fault {name!r}: one of {', '.join(FAULTS)}")
+
+
+def _patch(name: str):
+    if name.startswith("cp-"):
+        return _context_parallel(name)
+    if name == "grads-scaled-1.01":
+        return _wrap_build_grads(lambda owner: _scale_after_finish(owner, 1.01))
+    if name == "dp-wrong-group-size":
+        return _wrap_build_grads(_wrong_group_size)
+    if name == "last-bucket-dropped":
+        return _wrap_build_grads(_drop_last_bucket)
+    if name == "micro-batch-counted-twice":
+        return _count_first_twice()
+    if name == "sp-norm-grads-not-summed":
+        return _sp_norms_not_summed()
+    raise KeyError(f"unknown fault {name!r}: one of {', '.join(FAULTS)}")
+
+
+@contextlib.contextmanager
+def inject(name: str | None):
+    """Run the body with fault `name` patched in (None: the engine as it is)."""
+    if name is None:
+        yield
+        return
+    with _patch(name):
+        yield

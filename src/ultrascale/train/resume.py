@@ -1,0 +1,110 @@
+"""What a resumed run takes from its checkpoint, and what it must not change.
+
+`ultrascale train --resume CK` alone continues the run: every setting not given
+on the command line (or in --config) is the checkpoint's. Settings are of two
+kinds:
+
+- the math of the continuation: the model's shape, the seed and the data (the
+  batches are a function of them and of the step), the tokenizer, the sequence
+  length, the global batch, the precision and the optimizer's recipe. Changing
+  one gives another run, so a value that differs from the checkpoint's is
+  refused, naming the setting, both values and the flag;
+- the layout: how many processes, dp/tp/pp/cp sizes, ZeRO stage, dp mode,
+  bucket size, schedule, micro-batch split, recomputation. The checkpoint is
+  stored layout-free (train/checkpoint.py), so these are free: given none of
+  --nproc/--dp/--tp/--pp/--cp/--ep, the checkpoint's layout is used; given any,
+  the layout is the one asked for. The micro-batch and accumulation adapt so
+  that the global batch stays the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ultrascale.config import ConfigError
+
+FORMAT = 2  # of the checkpoint directory (train/checkpoint.py)
+# TrainConfig fields that change what the continuation computes.
+SAME_TRAIN = ("seq_len", "seed", "data", "data_column", "data_split", "tokenizer", "dtype", "lr", "min_lr_ratio",
+              "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
+GRID = ("dp", "tp", "pp", "cp", "ep")
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def resume_layer(saved: dict, given: dict) -> dict:
+    """The checkpoint's settings to use where `given` (TOML file and flags, by section) says nothing."""
+    from ultrascale.model.config import PRESETS
+
+    layer = {"model": {}, "parallel": {}, "train": {}}
+    if "preset" not in given["model"]:
+        model = dict(saved["model"])
+        name = model.pop("name")
+        layer["model"] = {"preset": name if name in PRESETS else "tiny", **model}  # every field given: shape exact
+    layer["train"] = {k: saved["train"][k] for k in SAME_TRAIN if k in saved["train"]}
+    if not any(k in given["parallel"] for k in GRID) and "nproc" not in given["train"]:
+        layer["parallel"] = dict(saved["parallel"])
+        layer["train"]["nproc"] = saved["train"]["nproc"]
+        for k in ("micro_batch", "grad_accum"):
+            layer["train"][k] = saved["train"][k]
+    elif "micro_batch" not in given["train"]:
+        layer["train"]["micro_batch"] = saved["train"]["micro_batch"]
+    return layer
+
+
+def global_batch(d: dict) -> int:
+    return d["train"]["micro_batch"] * d["train"]["grad_accum"] * d["parallel"]["dp"]
+
+
+def fit_global_batch(cfg, saved: dict, given: dict):
+    """With the layout resolved, choose grad_accum (unless given) so the global batch is the saved one."""
+    import dataclasses
+
+    want, t = global_batch(saved), cfg.train
+    if "grad_accum" in given["train"]:
+        return cfg
+    per_step = t.micro_batch * cfg.parallel.dp
+    if want % per_step:
+        raise ConfigError(f"--resume {t.resume}: the checkpoint's global batch is {want} sequences, which "
+                          f"--micro-batch {t.micro_batch} x dp {cfg.parallel.dp} does not divide: pick a "
+                          f"--micro-batch that does")
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum=want // per_step))
+
+
+def check_resume(path: str, meta: dict, cfg) -> None:
+    """Refuse, naming the setting, a run that would not continue the checkpoint's."""
+    saved, here = meta["config"], cfg.to_dict()
+    for k, v in saved["model"].items():
+        if k != "name" and here["model"].get(k) != v:
+            raise ConfigError(f"--resume {path} holds a model with {k} = {v}, this run asks for {here['model'].get(k)}"
+                              f": resume with the checkpoint's model (drop --model and {_flag(k)})")
+    for k in SAME_TRAIN:
+        if k in saved["train"] and here["train"][k] != saved["train"][k]:
+            raise ConfigError(f"--resume {path} was trained with {_flag(k)} {saved['train'][k]}, this run asks for "
+                              f"{here['train'][k]}: drop {_flag(k)} to continue the run (or start a new one)")
+    if global_batch(saved) != cfg.global_batch:
+        raise ConfigError(f"--resume {path} was trained on {global_batch(saved)} sequences per step, this run on "
+                          f"{cfg.global_batch} (micro-batch x grad-accum x dp): keep the global batch, e.g. drop "
+                          f"--grad-accum and it is chosen for you")
+    if meta["step"] >= cfg.train.steps:
+        raise ConfigError(f"--resume {path} is already at step {meta['step']} and --steps {cfg.train.steps} "
+                          f"counts all steps: pass a larger --steps")
+
+
+def read_meta(path: str) -> dict:
+    """A checkpoint's meta.json (step, configuration), without importing torch: the CLI reads
+    it before any process starts."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"--resume {path}: no such checkpoint directory")
+    meta_file = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_file):
+        raise ConfigError(f"--resume {path}: no meta.json, not a checkpoint written by --save")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"--resume {path} was written in checkpoint format {meta.get('format')}, this version "
+                          f"reads format {FORMAT}: resume it with the version that wrote it")
+    return meta

@@ -1,0 +1,179 @@
+"""Checkpoints that move between layouts: saved in one, resumed in another, the run goes on
+as if never interrupted; and what a resume checks."""
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ultrascale.config import ParallelConfig, RunConfig, TrainConfig
+from ultrascale.model import get_preset
+from ultrascale.testing.compare import FP32, train_parallel, train_single
+from ultrascale.train import checkpoint
+
+GLOBAL_BATCH, SAVED_AT, STEPS = 12, 2, 4  # 12 sequences: 1, 2, 3 and 4 data-parallel ranks
+
+
+def config(world, steps, save="", resume="", **parallel):
+    """tiny with 4 layers (so pp 2 x 2 chunks fits); the same global batch in every layout."""
+    p = ParallelConfig(bucket_mb=0.02, **parallel)
+    per_rank = GLOBAL_BATCH // (world // (p.tp * p.pp * p.cp))
+    micro_batch = 2 if per_rank % 2 == 0 else per_rank
+    t = TrainConfig(steps=steps, seq_len=16, micro_batch=micro_batch, grad_accum=per_rank // micro_batch,
+                    seed=4, progress=False, save=save, resume=resume)
+    return RunConfig(model=get_preset("tiny", layers=4), parallel=p, train=t)
+
+
+def run(world, cfg):
+    if world == 1:
+        r = train_single(cfg)
+        return r.losses, r.state
+    got = train_parallel(cfg, world)[0]
+    return got.losses, got.state
+
+
+@functools.lru_cache(maxsize=None)
+def uninterrupted():
+    r = train_single(config(1, STEPS))
+    return r.losses, r.state, sum(m["lr"] for m in r.metrics[SAVED_AT:])
+
+
+LAYOUTS = {  # name: (world, parallel)
+    "1 process": (1, {}),
+    "dp 2": (2, dict(dp=2)),
+    "dp 2 zero 1": (2, dict(dp=2, zero=1)),
+    "dp 2 zero 2": (2, dict(dp=2, zero=2)),
+    "dp 2 zero 3": (2, dict(dp=2, zero=3)),
+    "tp 2": (2, dict(tp=2)),
+    "tp 2 + sp": (2, dict(tp=2, sp=True)),
+    "pp 2 1f1b": (2, dict(pp=2)),
+    "pp 2 interleaved x2": (2, dict(pp=2, pp_schedule="interleaved", pp_chunks=2)),
+    "dp 2 x tp 2 + sp": (4, dict(dp=2, tp=2, sp=True)),
+    "dp 2 x tp 2 zero 3": (4, dict(dp=2, tp=2, zero=3)),
+    "dp 2 x pp 2 zero 1": (4, dict(dp=2, pp=2, zero=1)),
+    "pp 2 x tp 2": (4, dict(pp=2, tp=2)),
+    "dp 4 zero 2": (4, dict(dp=4, zero=2)),
+    "dp 3 zero 3": (3, dict(dp=3, zero=3)),  # uneven shards, padded
+}
+
+PAIRS = [
+    ("dp 2", "1 process"), ("1 process", "dp 2 zero 3"), ("dp 2 zero 3", "tp 2 + sp"),
+    ("tp 2 + sp", "pp 2 1f1b"), ("pp 2 interleaved x2", "dp 2 zero 1"), ("dp 2 zero 1", "dp 2 x tp 2 + sp"),
+    ("dp 2 x tp 2 zero 3", "pp 2 x tp 2"), ("dp 2 x pp 2 zero 1", "dp 4 zero 2"), ("dp 4 zero 2", "tp 2"),
+    ("tp 2", "dp 2 zero 2"), ("dp 3 zero 3", "dp 2 x tp 2 zero 3"), ("pp 2 x tp 2", "pp 2 interleaved x2"),
+]
+
+
+@pytest.mark.parametrize("saved,resumed", PAIRS, ids=[f"{a}->{b}".replace(" ", "") for a, b in PAIRS])
+def test_saved_in_one_layout_resumed_in_another(tmp_path, saved, resumed):
+    ck = str(tmp_path / "ck")
+    (w1, p1), (w2, p2) = LAYOUTS[saved], LAYOUTS[resumed]
+    head, _ = run(w1, config(w1, SAVED_AT, save=ck, **p1))
+    tail, state = run(w2, config(w2, STEPS, resume=ck, **p2))
+    ref_losses, ref_state, travel = uninterrupted()
+    losses = head + tail
+    rel = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+    assert len(losses) == STEPS and rel <= FP32.loss_rtol, (saved, resumed, losses, ref_losses)
+    # Masters and Adam's moments came back: the parameters follow the uninterrupted run.
+    worst = max((state[n] - p).abs().mean().item() / travel for n, p in ref_state.items())
+    assert worst <= FP32.param_mean, (saved, resumed, worst)
+
+
+def test_a_resume_without_the_optimizer_state_would_be_caught(tmp_path):
+    # The check above is not blind to the optimizer: zeroing Adam's moments after loading
+    # (a resume of the parameters alone) moves the continuation off the uninterrupted run.
+    ck = str(tmp_path / "ck")
+    run(2, config(2, SAVED_AT, save=ck, dp=2, zero=1))
+    original = checkpoint.load
+
+    def parameters_only(path, trainer):
+        step = original(path, trainer)
+        for state in trainer.opt.state.values():
+            state["exp_avg"].zero_()
+            state["exp_avg_sq"].zero_()
+        return step
+
+    checkpoint.load = parameters_only
+    try:
+        tail, state = run(1, config(1, STEPS, resume=ck))
+    finally:
+        checkpoint.load = original
+    ref_losses, ref_state, travel = uninterrupted()
+    worst = max((state[n] - p).abs().mean().item() / travel for n, p in ref_state.items())
+    assert worst > FP32.param_mean, worst
+
+
+def test_the_standard_tools_read_one_file_of_full_tensors(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ck = str(tmp_path / "ck")
+    _, state = run(4, config(4, SAVED_AT, save=ck, dp=2, tp=2, zero=3))
+    dcp_to_torch_save(ck, str(tmp_path / "one.pt"))
+    one = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert {k for k in one if k.startswith("model.")} == {f"model.{n}" for n in state}
+    for name, value in state.items():
+        assert torch.equal(one[f"model.{name}"], value), name
+        assert one[f"optim.exp_avg_sq.{name}"].shape == value.shape
+    config_, full = checkpoint.read_full_state(ck)
+    assert config_["parallel"]["zero"] == 3 and all(torch.equal(full[n], v) for n, v in state.items())
+
+
+def test_a_partial_save_is_cleaned_and_the_last_good_one_kept(tmp_path):
+    ck = tmp_path / "ck"
+    run(1, config(1, SAVED_AT, save=str(ck)))
+    before = sorted(os.listdir(ck))
+    (tmp_path / "ck.tmp").mkdir()  # what a save killed half-way leaves
+    (tmp_path / "ck.tmp" / "__0_0.distcp").write_bytes(b"\0" * 1000)
+    assert checkpoint.read_meta(str(ck))["step"] == SAVED_AT and sorted(os.listdir(ck)) == before
+    run(1, config(1, STEPS, save=str(ck), resume=str(ck)))
+    assert not (tmp_path / "ck.tmp").exists() and checkpoint.read_meta(str(ck))["step"] == STEPS
+
+
+# -- what a resume checks, from the command line ------------------------------------------
+TINY = ["--model", "tiny", "--seq-len", "16", "--no-progress"]
+
+
+def ultrascale(*args):
+    return subprocess.run([sys.executable, "-m", "ultrascale", *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 2-process run with a non-default seed, batch split and dp mode, saved at step 2."""
+    ck = str(tmp_path_factory.mktemp("resume") / "ck")
+    r = ultrascale("train", *TINY, "--nproc", "2", "--dp-mode", "overlap", "--seed", "3", "--micro-batch", "2",
+                   "--grad-accum", "2", "--steps", "2", "--save", ck)
+    assert r.returncode == 0, r.stderr
+    return ck
+
+
+def test_resume_alone_continues_the_run_and_the_layout_is_free(saved, tmp_path):
+    straight = str(tmp_path / "straight.jsonl")
+    r = ultrascale("train", *TINY, "--seed", "3", "--micro-batch", "8", "--steps", "4", "--log-jsonl", straight)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    want = [json.loads(line)["loss"] for line in open(straight)][2:]
+    for layout in ([], ["--nproc", "2", "--tp", "2"], ["--micro-batch", "4"]):
+        log = str(tmp_path / f"r{len(layout)}.jsonl")
+        r = ultrascale("train", "--resume", saved, "--steps", "4", "--log-jsonl", log, "--no-progress", *layout)
+        assert r.returncode == 0, (layout, r.stderr)
+        got = [json.loads(line)["loss"] for line in open(log)]
+        assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5, (layout, got, want)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seed", "4"], "trained with --seed 3, this run asks for 4: drop --seed"),
+    (["--micro-batch", "2", "--grad-accum", "1"], "trained on 8 sequences per step, this run on 2"),
+    (["--lr", "1e-2"], "trained with --lr 0.003"),
+    (["--hidden", "32"], "holds a model with hidden = 64, this run asks for 32"),
+    (["--micro-batch", "3"], "global batch is 8 sequences, which --micro-batch 3 x dp 1 does not divide"),
+])
+def test_a_resume_that_would_not_continue_the_run_names_the_setting(saved, args, message):
+    r = ultrascale("train", "--resume", saved, "--steps", "4", "--nproc", "1", *args)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
