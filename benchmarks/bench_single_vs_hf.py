@@ -52,6 +52,7 @@ from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, validate
 from ultrascale.distributed.context import build_context
 from ultrascale.model import build_model, cross_entropy_loss
 from ultrascale.model.config import PRESETS, ModelConfig, count_params, get_preset
+from ultrascale.model.hf import hf_name, to_hf_config
 from ultrascale.train.data import TokenBatches, load_tokens
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, storage_bytes
 from ultrascale.train.optim import lr_at
@@ -102,35 +103,11 @@ class Ours:
 
 
 # -- Hugging Face -------------------------------------------------------------
-def hf_name(name: str) -> str:
-    """Our parameter name -> the LlamaForCausalLM one."""
-    parts = name.split(".")
-    if name == "embed.weight":
-        return "model.embed_tokens.weight"
-    if name == "norm.weight":
-        return "model.norm.weight"
-    if name == "head.weight":
-        return "lm_head.weight"
-    _, i, module, *rest = parts  # layers.{i}.{attn|mlp|attn_norm|mlp_norm}...
-    if module == "attn_norm":
-        return f"model.layers.{i}.input_layernorm.weight"
-    if module == "mlp_norm":
-        return f"model.layers.{i}.post_attention_layernorm.weight"
-    sub = {"attn": "self_attn", "mlp": "mlp"}[module]
-    return f"model.layers.{i}.{sub}.{'.'.join(rest)}"
-
-
 def build_hf(cfg: ModelConfig, init: dict[str, torch.Tensor]):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """LlamaForCausalLM of the same shape (ultrascale.model.hf's config and names), with our initial weights."""
+    from transformers import LlamaForCausalLM
 
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
-        use_cache=False, attn_implementation="sdpa", dtype=torch.float32,
-    )
+    hf_cfg = to_hf_config(cfg, dtype=torch.float32, use_cache=False, attn_implementation="sdpa")
     model = LlamaForCausalLM(hf_cfg).float().train()
     params = dict(model.named_parameters())
     with torch.no_grad():

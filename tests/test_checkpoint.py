@@ -68,6 +68,7 @@ PAIRS = [
 ]
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("saved,resumed", PAIRS, ids=[f"{a}->{b}".replace(" ", "") for a, b in PAIRS])
 def test_saved_in_one_layout_resumed_in_another(tmp_path, saved, resumed):
     ck = str(tmp_path / "ck")

@@ -57,6 +57,7 @@ TRAIN_FLAGS = [
     ("--save", "train", "save", str, "checkpoint directory, written at the end (and every --save-every)"),
     ("--save-every", "train", "save_every", int, "also save every N steps"),
     ("--resume", "train", "resume", str, "checkpoint directory to continue from"),
+    ("--init-from", "train", "init_from", str, "hf:DIR: start from a transformers Llama checkpoint (shape and weights)"),
     ("--log-jsonl", "train", "log_jsonl", str, "write one JSON object per step to this file"),
     ("--log-every", "train", "log_every", int, "print a line every N steps"),
     ("--pp-trace", "train", "pp_trace", str, "write the last step's pipeline timeline (draw it with pp-schedule --trace)"),
@@ -98,6 +99,10 @@ def parse_train_config(args):
     file_values = load_toml(args.config) if args.config else {}
     given = {s: {**file_values.get(s, {}), **flags[s]} for s in flags}
     resumed = None
+    if given["train"].get("resume") and given["train"].get("init_from"):
+        from ultrascale.config import check_start
+
+        check_start(given["train"]["resume"], given["train"]["init_from"])
     if given["train"].get("resume"):
         from ultrascale.train.resume import read_meta, resume_layer
 
@@ -115,6 +120,14 @@ def _precheck(cfg) -> None:
     t = cfg.train
     if t.data and not t.data.startswith("hf:"):
         _text_files(t.data)
+    if t.init_from:
+        from ultrascale.model.hf import hf_weights, parse_init_from
+
+        path = parse_init_from(t.init_from)
+        try:
+            hf_weights(path, cfg.model)  # reads the headers only: every tensor present with its shape
+        except ConfigError as e:
+            raise ConfigError(f"--init-from hf:{e}") from None
 
 
 def cmd_train(args) -> int:
@@ -161,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     # Each further command registers itself here with its module's add_parser(sub).
     from ultrascale.parallel.pipeline.cli import add_parser as add_pp_schedule; add_pp_schedule(sub)  # noqa: E702
+    from ultrascale.export import add_parser as add_export; add_export(sub)  # noqa: E702
     from ultrascale.plan.cli import add_parser as add_plan; add_plan(sub)  # noqa: E702
     from ultrascale.series.cli import add_parser as add_notebook; add_notebook(sub)  # noqa: E702
     return parser

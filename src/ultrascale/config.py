@@ -122,6 +122,7 @@ class TrainConfig:
     save: str = ""
     save_every: int = 0
     resume: str = ""
+    init_from: str = ""  # hf:DIR: start from a transformers checkpoint (its shape and weights)
     log_jsonl: str = ""
     pp_trace: str = ""  # write the last step's pipeline timeline here (JSON)
     log_every: int = 1
@@ -172,6 +173,8 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
                           "--lr-decay-steps > 0")
     if t.grad_clip < 0:
         raise ConfigError(f"--grad-clip must be >= 0 (0 turns clipping off), got {t.grad_clip}")
+    if t.resume and t.init_from:
+        check_start(t.resume, t.init_from)
     if t.resume and not os.path.isdir(t.resume):
         raise ConfigError(f"--resume {t.resume}: no such checkpoint directory")
     parallel = cfg.parallel.resolve(world_size)
@@ -207,6 +210,12 @@ def check_context(cfg: RunConfig, parallel: ParallelConfig) -> None:
         raise ConfigError(f"--cp-attention ulysses gives each of cp x tp = {cp * tp} ranks whole heads: it must "
                           f"divide the {heads} query heads and the {kv} key/value heads; use a cp x tp that "
                           f"divides {kv}, or --cp-attention ring")
+
+
+def check_start(resume: str, init_from: str) -> None:
+    """A run starts from its seed, from --init-from weights, or continues a checkpoint: one of them."""
+    raise ConfigError(f"--init-from {init_from} starts a new run from its weights and --resume {resume} "
+                      f"continues a saved one: pass one of them")
 
 
 def check_pipeline(cfg: RunConfig, parallel: ParallelConfig) -> None:
@@ -277,11 +286,37 @@ def build_config(file_values: dict, flag_values: dict) -> RunConfig:
     """
     merged = {s: {**file_values.get(s, {}), **flag_values.get(s, {})} for s in ("model", "parallel", "train")}
     model_fields = dict(merged["model"])
-    preset = model_fields.pop("preset", "tiny")
-    model = get_preset(preset, **model_fields)
+    init_from = merged["train"].get("init_from", "")
+    if init_from:
+        model = model_from_checkpoint(init_from, model_fields)
+    else:
+        preset = model_fields.pop("preset", "tiny")
+        model = get_preset(preset, **model_fields)
     try:
         parallel = ParallelConfig(**merged["parallel"])
         train = TrainConfig(**merged["train"])
     except TypeError as e:
         raise ConfigError(f"bad configuration field: {e}") from None
     return RunConfig(model=model, parallel=parallel, train=train)
+
+
+def model_from_checkpoint(init_from: str, given: dict) -> ModelConfig:
+    """The model shape of --init-from hf:DIR: its config.json, a layer under the flags and the
+    file. A model field given there must agree with it; one that contradicts it is refused."""
+    from ultrascale.model.hf import HF_KEYS, parse_init_from, read_hf_config
+
+    if "preset" in given:
+        raise ConfigError(f"--model {given['preset']} and --init-from {init_from} both give the model: drop --model")
+    path = parse_init_from(init_from)
+    try:
+        model = read_hf_config(path)
+    except ConfigError as e:  # its messages start with the directory
+        raise ConfigError(f"--init-from hf:{e}") from None
+    for name, value in given.items():
+        if name == "name":
+            model = replace(model, name=value)
+        elif getattr(model, name) != value:
+            key = HF_KEYS.get(name, name)
+            raise ConfigError(f"--{name.replace('_', '-')} {value} contradicts --init-from {init_from}, whose "
+                              f"config.json has {key} = {getattr(model, name)}: drop the flag")
+    return model

@@ -153,8 +153,8 @@ class Transformer(nn.Module):
         return F.linear(x, self.embed.weight)
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Fill every parameter and buffer deterministically from `seed`.
+    def init_weights(self, seed: int, source=None) -> None:
+        """Fill every parameter and buffer deterministically from `seed`, or from `source`.
 
         Each parameter draws from its own generator, seeded by (seed, its name),
         on the CPU in fp32: the values do not depend on the device, the dtype,
@@ -162,12 +162,22 @@ class Transformer(nn.Module):
         parameter that is a shard of a larger one carries `full_shape` and
         `shard_of_full` (set by the parallel wrappers), and takes its slice of
         the full tensor.
+
+        `source`, a mapping {single-device name: full tensor} (trained weights, e.g.
+        `model.hf.hf_weights`), replaces the random draw: each rank still takes its
+        slice of each full tensor the same way, whatever the parallel layout.
         """
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for name, p in self.named_parameters():
-            full = init_tensor(name, getattr(p, "full_shape", p.shape), self.cfg, seed)
+            shape = getattr(p, "full_shape", p.shape)
+            if source is None:
+                full = init_tensor(name, shape, self.cfg, seed)
+            else:
+                full = source[name]
+                if full.shape != shape:
+                    raise ValueError(f"{name}: the source holds shape {list(full.shape)}, the model {list(shape)}")
             shard = getattr(p, "shard_of_full", None)
             p.copy_(shard(full) if shard is not None else full)
 
@@ -186,9 +196,10 @@ def init_tensor(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
     return torch.empty(shape).normal_(0.0, std, generator=g)
 
 
-def build_model(cfg: ModelConfig, seed: int, device="cpu", transform=None) -> Transformer:
+def build_model(cfg: ModelConfig, seed: int, device="cpu", transform=None, source=None) -> Transformer:
     """Construct on the meta device (no memory), let `transform` reshape it (pipeline
-    split, tensor-parallel swaps), then allocate on `device` and initialise from `seed`."""
+    split, tensor-parallel swaps), then allocate on `device` and initialise from `seed`,
+    or from `source` ({single-device name: full tensor}) when given."""
     cfg.validate()
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -200,7 +211,7 @@ def build_model(cfg: ModelConfig, seed: int, device="cpu", transform=None) -> Tr
     model.to_empty(device=device)
     for n, p in model.named_parameters():
         p.__dict__.update(notes.get(n, {}))
-    model.init_weights(seed)
+    model.init_weights(seed, source)
     return model
 
 

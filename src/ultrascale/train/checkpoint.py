@@ -188,7 +188,7 @@ def load(path: str, trainer) -> int:
 def read_full_state(path: str) -> tuple[dict, dict]:
     """(the run's configuration, {single-device name: full fp32 tensor}) of a checkpoint, in
     this one process (for export): DCP assembles each tensor from the chunks of all ranks."""
-    meta = read_meta(path)
+    meta = read_meta(path, what="checkpoint")
     index = dcp.FileSystemReader(path).read_metadata()
     full = {fqn[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
             for fqn, md in index.state_dict_metadata.items() if fqn.startswith("model.")}

@@ -94,17 +94,17 @@ def check_resume(path: str, meta: dict, cfg) -> None:
                           f"counts all steps: pass a larger --steps")
 
 
-def read_meta(path: str) -> dict:
+def read_meta(path: str, what: str = "--resume") -> dict:
     """A checkpoint's meta.json (step, configuration), without importing torch: the CLI reads
-    it before any process starts."""
+    it before any process starts. `what` names the argument in messages."""
     if not os.path.isdir(path):
-        raise ConfigError(f"--resume {path}: no such checkpoint directory")
+        raise ConfigError(f"{what} {path}: no such checkpoint directory")
     meta_file = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_file):
-        raise ConfigError(f"--resume {path}: no meta.json, not a checkpoint written by --save")
+        raise ConfigError(f"{what} {path}: no meta.json, not a checkpoint written by `ultrascale train --save`")
     with open(meta_file) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
-        raise ConfigError(f"--resume {path} was written in checkpoint format {meta.get('format')}, this version "
-                          f"reads format {FORMAT}: resume it with the version that wrote it")
+        raise ConfigError(f"{what} {path} was written in checkpoint format {meta.get('format')}, this version "
+                          f"reads format {FORMAT}: use the version that wrote it")
     return meta

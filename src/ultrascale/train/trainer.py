@@ -53,7 +53,15 @@ class Trainer:
         self.data = TokenBatches(load_tokens(t.data, t.tokenizer, t.data_column, t.data_split),
                                  t.seq_len, cfg.global_batch, t.seed)
 
-        self.model = build_model(cfg.model, t.seed, ctx.device, transform=parallel.shard_model(ctx, cfg))
+        # --init-from hf:DIR: trained weights instead of the random draw; each rank reads the
+        # full tensors it needs and keeps its slice of them, whatever the layout.
+        source = None
+        if t.init_from:
+            from ultrascale.model.hf import hf_weights, parse_init_from
+
+            source = hf_weights(parse_init_from(t.init_from), cfg.model)
+        self.model = build_model(cfg.model, t.seed, ctx.device, transform=parallel.shard_model(ctx, cfg),
+                                 source=source)
         apply_recompute(self.model, t.recompute)
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for p in self.model.parameters() if p.requires_grad]
