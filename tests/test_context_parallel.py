@@ -6,9 +6,7 @@ log-sum-exp from the scores, losses and parameters from the single-process run.
 Each comparison is also shown failing on a deliberately broken engine.
 """
 
-import contextlib
 import math
-from unittest import mock
 
 import pytest
 import torch
@@ -332,8 +330,8 @@ PLANNED = [  # (cp, variant, tp, sp, dtype, recompute, zero)
 ]
 
 
-@pytest.mark.parametrize("cp,variant,tp,sp,dtype,recompute,zero", PLANNED,
-                         ids=[f"cp{c}-{v}-tp{t}{'-sp' if s else ''}-{d}-{r}-zero{z}" for c, v, t, s, d, r, z in PLANNED])
+@pytest.mark.parametrize("cp,variant,tp,sp,dtype,recompute,zero", PLANNED, ids=[
+    f"cp{c}-{v}-tp{t}{'-sp' if s else ''}-{d}-{r}-zero{z}" for c, v, t, s, d, r, z in PLANNED])
 def test_the_planner_predicts_the_measured_memory(cp, variant, tp, sp, dtype, recompute, zero):
     from ultrascale.plan.calibration import get_framework
     from ultrascale.plan.layout import Layout, check_layout
