@@ -67,7 +67,12 @@ BAD = [
     (["--resume", "/no/such/dir"], "no such checkpoint"),
     (["--config", "/no/such.toml"], "no such file"),
     (["--zero", "2"], "nothing to shard"),
-    (["--nproc", "2", "--cp", "2"], "not implemented yet"),
+    (["--nproc", "2", "--ep", "2"], "not implemented yet"),
+    (["--nproc", "2", "--cp", "2", "--seq-len", "33"], "--cp 2 cuts each sequence into 2 equal shards"),
+    (["--nproc", "2", "--cp", "2", "--cp-attention", "zigzag", "--seq-len", "34"], "2 x cp = 4 equal chunks"),
+    (["--nproc", "4", "--cp", "2", "--tp", "2", "--sp", "--seq-len", "34"], "must divide by cp x tp = 4"),
+    (["--nproc", "4", "--cp", "4", "--cp-attention", "ulysses", "--kv-heads", "2"], "--cp-attention ulysses"),
+    (["--nproc", "2", "--cp", "2", "--cp-attention", "stripe"], "--cp-attention must be"),
     (["--nproc", "2", "--bucket-mb", "0"], "--bucket-mb must be positive"),
     (["--nproc", "2", "--dp-mode", "naive", "--zero", "1"], "built on bucketed data parallelism"),
     (["--nproc", "2", "--dp-mode", "ring"], "--dp-mode must be"),
@@ -94,7 +99,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
 
 
 @pytest.mark.parametrize("args,message", [(["--nproc", "4", "--dp", "3"], "make the product equal --nproc"),
-                                          (["--data", "/no/such/file.txt"], "no such file")])
+                                          (["--data", "/no/such/file.txt"], "no such file"),
+                                          (["--nproc", "2", "--cp", "2", "--cp-attention", "zigzag", "--seq-len", "30"],
+                                           "--seq-len 30 must divide by 4"),
+                                          (["--nproc", "4", "--cp", "4", "--cp-attention", "ulysses",
+                                            "--kv-heads", "2"], "must divide the 8 query heads and the 2 key/value")])
 def test_bad_input_in_a_real_process(tmp_path, args, message):
     r = ultrascale("train", *TINY, "--steps", "2", *args, "--save", str(tmp_path / "ck"), cwd=tmp_path)
     assert r.returncode == 2, r.stderr
@@ -138,3 +147,14 @@ def test_nproc_launches_data_parallel_processes_that_match_one_process(tmp_path)
     # The optimizer state is sharded four ways in the log.
     mem = json.loads(open(four).readline())["memory"]
     assert mem["optim"] * 4 == json.loads(open(one).readline())["memory"]["optim"]
+
+
+def test_context_parallel_from_the_command_line_matches_one_process(tmp_path):
+    # Two processes share every sequence (zig-zag shards of 16 tokens): the same global batch as one process,
+    # and the logged loss is the mean over both shards' tokens.
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    common = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "3", "--no-progress"]
+    assert ultrascale("train", *common, "--log-jsonl", str(one)).returncode == 0
+    r = ultrascale("train", *common, "--nproc", "2", "--cp", "2", "--cp-attention", "zigzag", "--log-jsonl", str(two))
+    assert r.returncode == 0, r.stderr
+    assert max(abs(a - b) / b for a, b in zip(losses(two), losses(one))) < 1e-5

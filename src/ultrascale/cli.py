@@ -28,6 +28,8 @@ TRAIN_FLAGS = [
     ("--tp", "parallel", "tp", int, "tensor-parallel size"),
     ("--pp", "parallel", "pp", int, "pipeline-parallel size"),
     ("--cp", "parallel", "cp", int, "context-parallel size"),
+    ("--cp-attention", "parallel", "cp_attention", str, "context-parallel attention: allgather, ring (default), "
+                                                         "zigzag or ulysses"),
     ("--ep", "parallel", "ep", int, "expert-parallel size"),
     ("--pp-schedule", "parallel", "pp_schedule", str, "naive, afab, 1f1b, interleaved or zero-bubble"),
     ("--pp-chunks", "parallel", "pp_chunks", int, "model chunks per pipeline rank (interleaved)"),

@@ -23,6 +23,9 @@ from ultrascale.model.config import ModelConfig, get_preset
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig", "build_config", "validate"]
 
 
+CP_ATTENTION = ("allgather", "ring", "zigzag", "ulysses")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Sizes of the named grid dp x pp x cp x tp (tp innermost), and the expert size.
@@ -37,6 +40,8 @@ class ParallelConfig:
     ep: int = 1
     zero: int = 0
     sp: bool = False  # sequence parallelism: shard norms and residuals along the sequence in the TP group
+    # Context parallelism's attention: allgather | ring | zigzag | ulysses (parallel/context/).
+    cp_attention: str = "ring"
     pp_schedule: str = "1f1b"  # naive | afab | 1f1b | interleaved | zero-bubble
     pp_chunks: int = 1  # model chunks per pipeline rank (interleaved schedule)
     # Data parallelism, in the playbook's steps: naive | overlap | bucket.
@@ -68,6 +73,9 @@ class ParallelConfig:
             raise ConfigError(f"--ep {self.ep} must divide dp = {dp}: expert groups are carved out of data parallelism")
         if self.sp and self.tp == 1:
             raise ConfigError("--sp shards activations across the tensor-parallel group: it needs --tp > 1")
+        if self.cp_attention not in CP_ATTENTION:
+            raise ConfigError(f"--cp-attention must be {', '.join(CP_ATTENTION[:-1])} or {CP_ATTENTION[-1]}, "
+                              f"got {self.cp_attention!r}")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.dp_mode not in ("naive", "overlap", "bucket"):
@@ -183,9 +191,30 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         )
     if parallel.sp and t.seq_len % tp:
         raise ConfigError(f"--sp splits the sequence over tp = {tp} ranks: --seq-len {t.seq_len} must divide by it")
+    check_context(cfg, parallel)
     check_pipeline(cfg, parallel)
     check_implemented(parallel)
     return replace(cfg, parallel=parallel)
+
+
+def check_context(cfg: RunConfig, parallel: ParallelConfig) -> None:
+    """What each context-parallel attention variant needs of the sequence and the heads."""
+    cp, tp, s, variant = parallel.cp, parallel.tp, cfg.train.seq_len, parallel.cp_attention
+    if cp == 1:
+        return
+    if variant == "zigzag" and s % (2 * cp):
+        raise ConfigError(f"--cp-attention zigzag cuts each sequence into 2 x cp = {2 * cp} equal chunks: "
+                          f"--seq-len {s} must divide by {2 * cp} (or use --cp-attention ring)")
+    if s % cp:
+        raise ConfigError(f"--cp {cp} cuts each sequence into {cp} equal shards: --seq-len {s} must divide by {cp}")
+    if parallel.sp and s % (cp * tp):
+        raise ConfigError(f"--sp splits each context-parallel shard of the sequence over tp = {tp} ranks: "
+                          f"--seq-len {s} must divide by cp x tp = {cp * tp}")
+    heads, kv = cfg.model.heads, cfg.model.kv_heads
+    if variant == "ulysses" and (heads % (cp * tp) or kv % (cp * tp)):
+        raise ConfigError(f"--cp-attention ulysses gives each of cp x tp = {cp * tp} ranks whole heads: it must "
+                          f"divide the {heads} query heads and the {kv} key/value heads; use a cp x tp that "
+                          f"divides {kv}, or --cp-attention ring")
 
 
 def check_start(resume: str, init_from: str) -> None:
@@ -222,7 +251,7 @@ def check_pipeline(cfg: RunConfig, parallel: ParallelConfig) -> None:
 
 # Which parallel sizes the engine runs today. A technique lands by adding itself
 # here and in ultrascale.parallel; until then a size above 1 is refused, never ignored.
-IMPLEMENTED = {"dp": True, "tp": True, "pp": True, "cp": False, "ep": False, "zero": True}
+IMPLEMENTED = {"dp": True, "tp": True, "pp": True, "cp": True, "ep": False, "zero": True}
 
 
 def check_implemented(p: ParallelConfig) -> None:

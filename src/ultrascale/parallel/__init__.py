@@ -1,8 +1,14 @@
 """Where each technique plugs into the trainer, in torchtitan's composition order.
 
 1. `shard_model(ctx, cfg)`: a transform applied to the model on the meta device,
-   before any memory is allocated: pipeline split, then tensor parallelism.
-2. recomputation (train/recompute.py) wraps what is left.
+   before any memory is allocated: pipeline split, then tensor parallelism, then
+   context parallelism (each block's core attention swapped for a variant that
+   attends across the cp ranks' shards of the sequence).
+   `shard_sequences(micro_batches, ctx, cfg)`: under context parallelism, each
+   micro-batch cut to this rank's shard of every sequence, with the shard's
+   global positions for RoPE (the trainer passes them to the model).
+2. recomputation (train/recompute.py) wraps what is left (selective: the core
+   attention, context-parallel or not, communication included).
 3. `build_grads(model, params, ctx, cfg)`: who owns the gradients and how they are
    reduced across data-parallel ranks (plain, overlapped, bucketed, ZeRO).
 4. `loss_function(ctx, cfg)`: the loss over this rank's logits (vocabulary-sharded under TP).
@@ -25,7 +31,8 @@ from __future__ import annotations
 
 def shard_model(ctx, cfg):
     """The transform that turns the single-device model into this rank's part of it:
-    first the pipeline split (keep this rank's layers), then tensor parallelism."""
+    first the pipeline split (keep this rank's layers), then tensor parallelism, then
+    context parallelism."""
     steps = []
     if ctx.size("pp") > 1:
         from ultrascale.parallel.pipeline.stage import keep_stages, make_linears_deferrable
@@ -38,6 +45,10 @@ def shard_model(ctx, cfg):
         from ultrascale.parallel.tensor import apply_tensor_parallel
 
         steps.append(lambda model: apply_tensor_parallel(model, ctx, sequence_parallel=cfg.parallel.sp))
+    if ctx.size("cp") > 1:
+        from ultrascale.parallel.context import apply_context_parallel
+
+        steps.append(lambda model: apply_context_parallel(model, ctx, cfg.parallel.cp_attention))
     if not steps:
         return None
 
@@ -47,6 +58,18 @@ def shard_model(ctx, cfg):
         return model
 
     return transform
+
+
+def shard_sequences(micro_batches, ctx, cfg) -> list:
+    """[(inputs, targets)] -> [(inputs, targets, positions)]: without context parallelism the whole
+    sequences and positions None (0..s-1); with it, this rank's shard of each sequence (contiguous,
+    or zig-zag) and the global positions of its tokens. Under sequence parallelism the cp shard is
+    what the tensor-parallel ranks then cut further: cp first, tp inside it."""
+    if ctx.size("cp") == 1:
+        return [(inputs, targets, None) for inputs, targets in micro_batches]
+    from ultrascale.parallel.context import shard_micro_batches
+
+    return shard_micro_batches(micro_batches, ctx.index("cp"), ctx.size("cp"), cfg.parallel.cp_attention)
 
 
 def pipeline_runtime(model, ctx, cfg, grads, loss_fn, meter):

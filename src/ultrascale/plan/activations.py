@@ -28,8 +28,18 @@ Regions: `tp` tensors live in the head / FFN-column shards (/tp); `norm` tensors
 are the full-hidden ones that sequence parallelism cuts along the sequence
 (/tp with SP, whole without); `linear_in` is the input of a column-parallel
 linear: with SP it is all-gathered, and Megatron keeps only the shard (re-gather
-in backward), others keep the gathered copy. Context parallelism cuts every
-token-wise tensor by cp. Full recomputation keeps only each block's input.
+in backward), others keep the gathered copy. Full recomputation keeps only each block's input.
+
+Context parallelism cuts every token-wise tensor by cp (measured against the
+engine, tests/test_context_parallel.py), with what each attention variant adds:
+  ring, zigzag   nothing: the ring's autograd function keeps q, k, v, O and lse of the shard,
+                 what SDPA keeps unsharded;
+  allgather      K and V all-gathered over cp, kept for backward: b·2kv per token of the
+                 whole sequence (/tp only) instead of the shard's (selective: recomputed);
+  ulysses        the attention output is a copy after the all-to-all back (o_proj's input),
+                 b·h per token besides the SDPA output (selective: only the copy survives);
+and per micro-batch (not per layer or token of the batch) the RoPE cos and sin rows
+of the shard's positions, gathered from the tables: 4·head_dim bytes per position.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ class ActivationSpec:
     cp: int = 1
     ep: int = 1
     recompute: str = "none"
+    cp_attention: str = "zigzag"  # allgather | ring | zigzag | ulysses (see the module docstring)
     kernels: str = "eager"  # eager: our engine as written; fused: fused norms, [b, s, heads, d] attention
     sp_keeps_gathered_input: bool = False
 
@@ -66,9 +77,12 @@ def layer_terms(shape, spec: ActivationSpec) -> list[tuple[str, float, str]]:
     """(tensor, bytes per token, region) that one block saves without recomputation."""
     h, kv, b, a = shape.hidden, shape.kv_dim, spec.act_bytes, shape.heads
     out = [("attn_norm " + n, v, r) for n, v, r in _norm(shape, spec)]
+    kv_region = "cp_gathered" if spec.cp > 1 and spec.cp_attention == "allgather" else "tp"
     out += [("attn_norm output", b * h, "linear_in"),
-            ("q after RoPE", b * h, "tp"), ("k after RoPE", b * kv, "tp"), ("v", b * kv, "tp"),
+            ("q after RoPE", b * h, "tp"), ("k after RoPE", b * kv, kv_region), ("v", b * kv, kv_region),
             ("SDPA logsumexp", 4 * a, "tp"), ("SDPA output", b * h, "tp")]
+    if spec.cp > 1 and spec.cp_attention == "ulysses":
+        out.append(("Ulysses output, back in the sequence shard", b * h, "tp"))
     out += [("mlp_norm " + n, v, r) for n, v, r in _norm(shape, spec)]
     out.append(("mlp_norm output", b * h, "linear_in"))
     if shape.is_moe:
@@ -98,6 +112,8 @@ def divisor(region: str, spec: ActivationSpec) -> int:
     sp = spec.sp and spec.tp > 1
     if region == "tp":
         return spec.tp * spec.cp
+    if region == "cp_gathered":  # the whole sequence's, on every cp rank
+        return spec.tp
     if region == "norm":
         return (spec.tp if sp else 1) * spec.cp
     if region == "linear_in":
@@ -113,12 +129,21 @@ def layer_bytes(shape, spec: ActivationSpec, tokens: int, recompute: str | None 
         return tokens * spec.act_bytes * shape.hidden / divisor("norm", spec)
     total = 0.0
     for name, per_token, region in layer_terms(shape, spec):
-        if recompute == "selective" and name == "SDPA logsumexp":
-            # The attention core is recomputed: its logsumexp is not kept; its output survives
-            # as the input o_proj saves (a view of it).
-            continue
+        if recompute == "selective":
+            # The attention core is recomputed: its logsumexp (and what a context-parallel core adds)
+            # is not kept; its inputs, the shard's q, k, v, are; its output survives as the input
+            # o_proj saves (a view of it, or the Ulysses copy).
+            if name in ("SDPA logsumexp", "Ulysses output, back in the sequence shard"):
+                continue
+            region = "tp" if region == "cp_gathered" else region
         total += tokens * per_token / divisor(region, spec)
     return total
+
+
+def rope_bytes(shape, spec: ActivationSpec, seq_len: int) -> float:
+    """Context parallelism: the cos and sin rows of the shard's positions (fp32, head_dim/2 each),
+    gathered from the tables once per forward of a stage; without it they are views of the tables."""
+    return 0.0 if spec.cp == 1 else 2 * 4 * (shape.hidden // shape.heads) // 2 * seq_len / spec.cp
 
 
 def embedding_bytes(tokens: int, spec: ActivationSpec) -> float:

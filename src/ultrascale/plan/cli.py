@@ -29,6 +29,8 @@ LAYOUT_FLAGS = [  # (flag, Layout field, type, help); None default: searched (pl
     ("--tp", "tp", int, "tensor-parallel size"),
     ("--pp", "pp", int, "pipeline-parallel size"),
     ("--cp", "cp", int, "context-parallel size"),
+    ("--cp-attention", "cp_attention", str, "context-parallel attention: allgather, ring, zigzag (the planner's "
+                                            "default) or ulysses"),
     ("--ep", "ep", int, "expert-parallel size (carved out of dp)"),
     ("--zero", "zero", int, "ZeRO stage 0-3"),
     ("--recompute", "recompute", str, "activation recomputation: none, selective, full"),
@@ -54,7 +56,7 @@ def _common(p, search: bool) -> None:
     p.add_argument("--json", action="store_true", help="print JSON with every field")
     for flag, dest, typ, help_ in LAYOUT_FLAGS:
         p.add_argument(flag, dest=dest, type=typ, default=None, metavar="N" if typ is int else "NAME",
-                       help=help_ + (" (default: searched)" if search else ""))
+                       help=help_ + (" (default: searched)" if search and dest != "cp_attention" else ""))
 
 
 def add_parser(sub) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ultrascale.config import ConfigError
+from ultrascale.config import CP_ATTENTION, ConfigError
 from ultrascale.plan.bubble import SCHEDULES
 from ultrascale.plan.precision import PRECISIONS
 
@@ -29,6 +29,9 @@ class Layout:
     schedule: str = "1f1b"  # pipeline schedule: afab | 1f1b | interleaved | zero-bubble
     chunks: int = 1  # v: model chunks per pipeline rank (interleaved schedule)
     recompute: str = "none"
+    # Context parallelism's attention (the engine's --cp-attention). The planner's default is the
+    # zig-zag ring: the time model assumes the causal work is balanced over the cp ranks.
+    cp_attention: str = "zigzag"
     micro_batch: int = 1  # sequences per micro-batch per data-parallel rank
     grad_accum: int = 1  # micro-batches per optimizer step (the pipeline's m)
     seq_len: int = 4096
@@ -57,7 +60,7 @@ class Layout:
         if self.pp > 1:
             parts[-1] += f"({self.schedule}{f' v{self.chunks}' if self.chunks > 1 else ''})"
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}({self.cp_attention})")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         return " ".join(parts) + f" zero{self.zero} rc:{self.recompute} mbs{self.micro_batch} ga{self.grad_accum}"
@@ -94,8 +97,16 @@ def check_layout(lay: Layout, shape) -> None:
     if lay.sp_on and lay.seq_len % (lay.tp * lay.cp):
         raise ConfigError(f"sequence parallelism splits the sequence over tp = {lay.tp} ranks: --seq-len "
                           f"{lay.seq_len} must divide by tp x cp = {lay.tp * lay.cp} (or pass --no-sp)")
-    if lay.seq_len % (2 * lay.cp) and lay.cp > 1:
-        raise ConfigError(f"--seq-len {lay.seq_len} must divide into 2 x cp = {2 * lay.cp} chunks (zig-zag ring)")
+    if lay.cp_attention not in CP_ATTENTION:
+        raise ConfigError(f"--cp-attention must be one of {', '.join(CP_ATTENTION)}, got {lay.cp_attention!r}")
+    chunks = 2 * lay.cp if lay.cp_attention == "zigzag" else lay.cp
+    if lay.cp > 1 and lay.seq_len % chunks:
+        raise ConfigError(f"--seq-len {lay.seq_len} must divide into {chunks} chunks ({lay.cp_attention} over cp = "
+                          f"{lay.cp})")
+    if lay.cp > 1 and lay.cp_attention == "ulysses" and (shape.heads % (lay.tp * lay.cp)
+                                                          or shape.kv_heads % (lay.tp * lay.cp)):
+        raise ConfigError(f"--cp-attention ulysses needs tp x cp = {lay.tp * lay.cp} to divide the {shape.heads} "
+                          f"query heads and the {shape.kv_heads} key/value heads")
     if lay.dp % lay.ep:
         raise ConfigError(f"--ep {lay.ep} must divide dp = {lay.dp}: expert groups are carved out of data "
                           f"parallelism")

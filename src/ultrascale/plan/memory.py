@@ -15,7 +15,8 @@ Terms (bytes per GPU):
                         gradients)
   comm_buffers          the all-gathered input of a sequence-parallel linear and the
                         full output before its reduce-scatter; pipeline send/receive
-                        buffers; ring-attention K/V blocks (double-buffered); expert
+                        buffers; ring-attention K/V blocks (double-buffered), the
+                        all-gathered K/V or the Ulysses all-to-all buffers; expert
                         all-to-all buffers; ZeRO-2/3 full gradient buckets in flight
                         and ZeRO-3's gathered parameters (the unit in use and the
                         prefetched one)
@@ -75,13 +76,13 @@ class MemoryPlan:
 
 def activation_spec(lay, fw: Framework) -> act.ActivationSpec:
     return act.ActivationSpec(act_bytes=get_precision(lay.precision).act_bytes, tp=lay.tp, sp=lay.sp_on, cp=lay.cp,
-                              ep=lay.ep, recompute=lay.recompute, kernels=fw.kernels,
+                              ep=lay.ep, recompute=lay.recompute, cp_attention=lay.cp_attention, kernels=fw.kernels,
                               sp_keeps_gathered_input=fw.sp_keeps_gathered_input)
 
 
 def _engine_exact(shape, lay, fw) -> bool:
     """Configurations our engine runs today, planned with its own framework: replayed exactly."""
-    return (fw.kernels == "eager" and fw.partition == "even" and lay.cp == lay.ep == 1 and not shape.is_moe
+    return (fw.kernels == "eager" and fw.partition == "even" and lay.ep == 1 and not shape.is_moe
             and lay.precision in ENGINE_PRECISION.values())
 
 
@@ -90,9 +91,10 @@ def _states(shape, lay, fw, stage):
     blocks = (len(stage[0]), stage[1], stage[2])
     if _engine_exact(shape, lay, fw):
         # Our engine: replay its parameter shards, buckets and padding; every rank, keep the largest.
-        whole = None if lay.pp == 1 else stage
-        ranks = range(lay.dp) if lay.dp <= 64 else (0, lay.dp - 1)
-        per_rank = [engine_states(shape, prec, lay.dp, lay.zero, lay.bucket_mb, r, lay.tp, whole) for r in ranks]
+        # Gradients and ZeRO shards live on the dp x cp ranks (the dp_cp group).
+        whole, n = (None if lay.pp == 1 else stage), lay.dp * lay.cp
+        ranks = range(n) if n <= 64 else (0, n - 1)
+        per_rank = [engine_states(shape, prec, n, lay.zero, lay.bucket_mb, r, lay.tp, whole) for r in ranks]
         best = max(per_rank, key=lambda s: sum(s.values()))
         return {**best, "param_count": sum(n for _, n in rank_params(shape, lay.tp, whole))}
     return model_states(shape, lay, prec, blocks)
@@ -114,8 +116,12 @@ def _comm_buffers(shape, lay, spec, tokens, states) -> float:
         out += 2 * full_seq  # gathered input of a column-parallel linear; row-parallel output before reduce-scatter
     if lay.pp > 1:
         out += 2 * full_seq / (lay.tp if lay.sp_on else 1)  # one send and one receive buffer
-    if lay.cp > 1:
+    if lay.cp > 1 and lay.cp_attention in ("ring", "zigzag"):
         out += 2 * 2 * tokens * b * shape.kv_dim / lay.cp / lay.tp  # K and V blocks, current and next
+    elif lay.cp > 1 and lay.cp_attention == "allgather" and lay.recompute != "none":
+        out += 2 * tokens * b * shape.kv_dim / lay.tp  # the gathered K and V of the layer in use
+    elif lay.cp > 1 and lay.cp_attention == "ulysses":
+        out += 2 * tokens * b * (2 * shape.hidden + 2 * shape.kv_dim) / lay.cp / lay.tp  # all-to-all send + receive
     if lay.ep > 1:
         out += 2 * shape.top_k * full_seq  # all-to-all send and receive
     prec = get_precision(lay.precision)
@@ -150,7 +156,7 @@ def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
         # first chunk of the first stage, the final norm and the loss with the last chunk of the last.
         held = held_per_chunk(lay.schedule, lay.pp, lay.grad_accum, lay.chunks, stage)
         sizes = chunk_layers(shape, lay.pp, lay.chunks, stage) if lay.chunks > 1 else [n_layers]
-        per_chunk = [n * layer for n in sizes]
+        per_chunk = [n * layer + act.rope_bytes(shape, spec, lay.seq_len) for n in sizes]
         if first:
             per_chunk[0] += act.embedding_bytes(tokens, spec)
         if last:

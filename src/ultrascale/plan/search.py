@@ -108,7 +108,7 @@ def _variants(shape, base, fixed, allowed):
         for recompute in allowed("recompute", ["none", "selective", "full"]):
             for schedule, chunks in schedules:
                 yield Layout(**base, zero=zero, recompute=recompute, schedule=schedule, chunks=chunks,
-                             sp=fixed.get("sp", True))
+                             sp=fixed.get("sp", True), cp_attention=fixed.get("cp_attention") or "zigzag")
 
 
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}

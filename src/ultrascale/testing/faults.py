@@ -20,6 +20,15 @@ FAULTS = {
     "sp-norm-grads-not-summed": "under sequence parallelism, norm weight gradients not summed over tp",
     "last-bucket-dropped": "the last bucket's collective never launched",
     "micro-batch-counted-twice": "the first micro-batch accumulated again in place of the last",
+    # Context parallelism (parallel/context/).
+    "cp-local-positions": "RoPE given each shard's local positions 0..s/cp-1 instead of its global ones",
+    "cp-contiguous-positions": "zig-zag shards rotated by the positions of contiguous shards",
+    "cp-grads-reduced-over-dp-only": "gradients averaged over dp, not dp x cp: the cp ranks' parts never combined",
+    "cp-merge-by-average": "ring blocks merged by a plain average instead of by their log-sum-exp",
+    "cp-no-causal-skip": "key chunks after a query chunk attended to in full instead of skipped",
+    "cp-zigzag-read-as-contiguous": "the ring takes zig-zag shards for contiguous ones",
+    "cp-scatter-without-sum": "all-gather attention: each rank keeps its own block of dK/dV, not the sum over ranks",
+    "cp-all-to-all-reversed": "Ulysses: the all-to-all's pieces concatenated in reverse rank order",
 }
 
 
@@ -90,7 +99,67 @@ def _sp_norms_not_summed():
     return mock.patch.object(apply, "replicated", lambda p, world, sum_group=None: layers.replicated(p, world))
 
 
+def _context_parallel(name: str):
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from ultrascale import parallel
+    from ultrascale.parallel import context
+    from ultrascale.parallel.context import blocks, comm, ring, sharding
+
+    def positions(new):
+        original = context.shard_micro_batches
+
+        def shard(micro_batches, rank, cp, variant):
+            return [(x, y, new(x.shape[1] * cp, rank, cp)) for x, y, _ in original(micro_batches, rank, cp, variant)]
+
+        return mock.patch.object(context, "shard_micro_batches", shard)
+
+    if name == "cp-local-positions":
+        return positions(lambda s, rank, cp: torch.arange(s // cp))
+    if name == "cp-contiguous-positions":
+        return positions(lambda s, rank, cp: sharding.shard_positions(s, rank, cp, "contiguous"))
+    if name == "cp-grads-reduced-over-dp-only":
+        build = parallel.build_grads
+
+        def over_dp(model, params, ctx, cfg):
+            dp_only = dataclasses.replace(ctx, groups={**ctx.groups, "dp_cp": ctx.groups.get("dp")},
+                                          group_ranks={**ctx.group_ranks, "dp_cp": ctx.group_ranks["dp"]})
+            return build(model, params, dp_only, cfg)
+
+        return mock.patch.object(parallel, "build_grads", over_dp)
+    if name == "cp-merge-by-average":
+        def average(out, lse, block_out, block_lse):
+            out.copy_(block_out if torch.isinf(lse).all() else (out + block_out) / 2)
+            lse.copy_(torch.logaddexp(lse, block_lse))
+
+        return mock.patch.object(blocks, "merge", average)
+    if name == "cp-no-causal-skip":
+        return mock.patch.object(blocks, "chunk_pairs", lambda qc, kc: (
+            (i, j, a == c) for i, a in enumerate(qc) for j, c in enumerate(kc)))
+    if name == "cp-zigzag-read-as-contiguous":
+        return mock.patch.object(ring, "chunks_of", lambda rank, cp, layout: [rank])
+    if name == "cp-scatter-without-sum":
+        def keep_own(out, inp, group=None):
+            out.copy_(inp.view(dist.get_world_size(group), -1)[dist.get_rank(group)])
+
+        return mock.patch.object(comm, "_reduce_scatter", keep_own)
+    if name == "cp-all-to-all-reversed":
+        original = comm.all_to_all
+
+        def reversed_order(x, cpg, scatter_dim, gather_dim, phase):
+            out = original(x, cpg, scatter_dim, gather_dim, phase)
+            return torch.cat(out.chunk(cpg.size, dim=gather_dim)[::-1], dim=gather_dim)
+
+        return mock.patch.object(comm, "all_to_all", reversed_order)
+    raise KeyError(f"unknown fault {name!r}: one of {', '.join(FAULTS)}")
+
+
 def _patch(name: str):
+    if name.startswith("cp-"):
+        return _context_parallel(name)
     if name == "grads-scaled-1.01":
         return _wrap_build_grads(lambda owner: _scale_after_finish(owner, 1.01))
     if name == "dp-wrong-group-size":

@@ -88,17 +88,17 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------
     def forward_backward(self, micro_batches) -> float:
-        """Run every micro-batch; return the mean loss of this rank's micro-batches."""
+        """Run every micro-batch (inputs, targets, positions); return the mean loss of this rank's micro-batches."""
         if self.pipeline is not None:
             return self.pipeline.run(micro_batches)
         n = len(micro_batches)
         total = torch.zeros((), device=self.ctx.device)
-        for j, (inputs, targets) in enumerate(micro_batches):
+        for j, (inputs, targets, positions) in enumerate(micro_batches):
             sync = contextlib.nullcontext() if j == n - 1 else self.grads.no_sync()
             measure = self.meter.forward() if self.cfg.train.measure_activations else contextlib.nullcontext()
             with sync:
                 with measure:
-                    loss = self.loss_fn(self.model(inputs), targets)
+                    loss = self.loss_fn(self.model(inputs, positions), targets)
                 (loss / n).backward()
             total += loss.detach()
         return (total / n).item()
@@ -107,6 +107,7 @@ class Trainer:
         cfg, ctx, t = self.cfg, self.ctx, self.cfg.train
         start = time.perf_counter()
         micro_batches = self.data.micro_batches(self.step, ctx.coords["dp"], cfg.parallel.dp, t.grad_accum, ctx.device)
+        micro_batches = parallel.shard_sequences(micro_batches, ctx, cfg)  # context parallelism: this rank's tokens
         self.grads.zero()
         loss = self.forward_backward(micro_batches)
         self.grads.finish()

@@ -46,7 +46,8 @@ class PipelineRuntime:
                        for s in virtual_stages(self.rank, self.p, self.v)]
         self.actions = schedule(pc.pp_schedule, self.p, self.m, self.v)[self.rank]
         self.synced = self._last_backwards()
-        local_seq = t.seq_len // ctx.size("tp") if pc.sp else t.seq_len
+        # What travels between stages: this rank's shard of the sequence (cp), cut again by tp under SP.
+        local_seq = t.seq_len // ctx.size("cp") // (ctx.size("tp") if pc.sp else 1)
         self.shape = (t.micro_batch, local_seq, cfg.model.hidden)
         self.dtype = next(model.parameters()).dtype
         self.trace: list = []
@@ -66,7 +67,8 @@ class PipelineRuntime:
         return ((micro * self.p * self.v + dest_stage) * 2 + (kind == "B")) + 1
 
     def run(self, micro_batches) -> float:
-        """Forward and backward of every micro-batch; returns the mean loss (on every pipeline rank)."""
+        """Forward and backward of every micro-batch (inputs, targets, positions); returns the mean
+        loss (on every pipeline rank)."""
         inputs, outputs, losses, sends, recv_grad = {}, {}, {}, [], {}
         held, in_flight, peak = {}, 0, 0
         self.trace = []
@@ -92,7 +94,7 @@ class PipelineRuntime:
                 chunk = self.chunks[a.chunk]
                 x = micro_batches[a.micro][0] if chunk.first else inputs[key]
                 with self.meter.forward() if self.measure else contextlib.nullcontext():
-                    out = chunk(x, self.seq_len)
+                    out = chunk(x, self.seq_len, micro_batches[a.micro][2])
                     if chunk.last:
                         loss = self.loss_fn(out, micro_batches[a.micro][1])
                         losses[key] = loss.detach()

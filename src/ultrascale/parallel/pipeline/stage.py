@@ -54,11 +54,15 @@ class StageChunk:
         self.model, self.first, self.last = model, first, last
         self.blocks = [model.layers[str(i)] for i in layer_ids]
 
-    def __call__(self, x, seq_len: int):
+    def __call__(self, x, seq_len: int, positions=None):
+        """positions: the global positions of the tokens (context parallelism's shard), or None for 0..seq_len-1."""
         m = self.model
         if self.first:
             x = m.embed(x)
-        cos, sin = m.rope_cos[:seq_len], m.rope_sin[:seq_len]
+        if positions is None:
+            cos, sin = m.rope_cos[:seq_len], m.rope_sin[:seq_len]
+        else:
+            cos, sin = m.rope_cos[positions], m.rope_sin[positions]
         for block in self.blocks:
             x = block(x, cos, sin)
         if self.last:

@@ -1,0 +1,47 @@
+"""All-gather attention: every rank gathers the whole sequence's keys and values.
+
+The simplest context parallelism (Llama 3's choice for long-context training):
+one all-gather of K and V before attention, after which a rank attends its
+contiguous block of queries to all earlier keys in one place (the pairs of
+blocks.chunk_pairs: the blocks before its own in full, its own under the
+diagonal mask, the later ones not at all). Backward reduce-scatters the K/V
+gradients back to their owners. It keeps the gathered K and V for backward:
+their memory is that of the whole sequence (cheap with GQA: KV ≪ H), and
+with contiguous shards the work is as unbalanced as the ring's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ultrascale.parallel.context import blocks
+from ultrascale.parallel.context.comm import ContextGroup, GatherKV
+
+
+class LocalAttention(torch.autograd.Function):
+    """Attention of q (holding q_chunks) on local k, v (holding k_chunks), with the flash-style backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_chunks, k_chunks):
+        scale = q.shape[-1] ** -0.5
+        out, lse = blocks.start(q)
+        blocks.attend(q, k, v, q_chunks, k_chunks, out, lse, scale)
+        out = blocks.finish(out, q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunks, ctx.scale = (q_chunks, k_chunks), scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _):
+        q, k, v, out, lse = ctx.saved_tensors
+        delta = (dout.float() * out.float()).sum(-1)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+        blocks.attend_backward(q, k, v, dout, lse, delta, *ctx.chunks, dq, dk, dv, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def allgather_attention(q, k, v, cpg: ContextGroup):
+    """(O, lse) of this rank's contiguous block of queries over the whole sequence."""
+    kv = GatherKV.apply(torch.stack((k, v)), cpg)
+    return LocalAttention.apply(q, kv[0], kv[1], [cpg.index], list(range(cpg.size)))
