@@ -152,17 +152,25 @@ def _heartbeat() -> None:
         time.sleep(HEARTBEAT_EVERY_S)
 
 
+def die_with_parent() -> None:
+    """Linux: this process is killed when its parent dies, so a killed launcher (or test
+    runner) never leaves workers behind."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def start_worker_supervision() -> None:
     """In a worker of `launch_local`: die with the launcher, and beat."""
     launcher = os.environ.get(ENV_LAUNCHER_PID)
     if launcher and sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            PR_SET_PDEATHSIG = 1
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
+        die_with_parent()
         if os.getppid() != int(launcher):  # the launcher is already gone
             os._exit(1)
     path = os.environ.get(ENV_HEARTBEAT)

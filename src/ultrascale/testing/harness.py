@@ -30,6 +30,9 @@ class DistributedError(RuntimeError):
 
 
 def _worker(rank: int, world: int, port: int, tasks, results):
+    from ultrascale.distributed.failures import die_with_parent
+
+    die_with_parent()  # a test runner killed mid-run leaves no pool behind
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
