@@ -59,6 +59,7 @@ BAD = [
     (["--micro-batch", "0"], "--micro-batch must be a positive"),
     (["--steps", "-1"], "--steps must be a positive"),
     (["--nproc", "3", "--tp", "3"], "--tp 3 must divide both the 8 query heads"),
+    (["--nproc", "2", "--tp", "2", "--ffn-hidden", "129"], "--tp 2 must divide the MLP width --ffn-hidden 129"),
     (["--nproc", "2", "--tp", "4"], "not divisible"),
     (["--nproc", "4", "--dp", "3"], "make the product equal --nproc"),
     (["--dtype", "fp8"], "--dtype must be"),

@@ -230,6 +230,8 @@ def test_winner_is_explained_in_three_steps(capsys):
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "-4096"], "must be positive"),
     (["plan", "memory", "--model", "llama3-8b", "--micro-batch", "0"], "--micro-batch must be a positive"),
     (["plan", "memory", "--model", "llama3-8b", "--tp", "3"], "must divide the 32 query heads"),
+    # The search names the rule a pinned tp breaks instead of "no layout reaches the batch".
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"], "pick a tp that divides 8"),
     (["plan", "memory", "--model", "nope"], "llama3-70b"),
     (["plan", "memory", "--model", "llama3-8b", "--gpu", "v100"], "a100-40gb"),
     (["plan", "memory", "--model", "llama3-8b", "--hidden", "-1"], "--hidden must be a positive"),
@@ -244,6 +246,16 @@ def test_bad_input_from_a_real_process():
     r = subprocess.run([sys.executable, "-m", "ultrascale", "plan", "--model", "llama3-8b", "--gpus", "12"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stdout == ""
+
+
+def test_a_reader_that_stops_early_is_no_error():
+    # `ultrascale plan ... | head -1`: the pipe closes after one line.
+    p = subprocess.Popen([sys.executable, "-m", "ultrascale", "plan", "--model", "llama3-8b", "--gpus", "64",
+                          "--top", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().startswith("llama3-8b on 64")
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 def test_plan_cli_imports_no_torch_or_matplotlib():

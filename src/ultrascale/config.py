@@ -189,6 +189,9 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
             f"--tp {tp} must divide both the {cfg.model.heads} query heads and the {cfg.model.kv_heads} "
             f"key/value heads: pick a tp that divides {cfg.model.kv_heads}"
         )
+    if cfg.model.ffn_hidden % tp:
+        raise ConfigError(f"--tp {tp} must divide the MLP width --ffn-hidden {cfg.model.ffn_hidden}: pick a tp "
+                          f"that divides it, or an --ffn-hidden that divides by {tp}")
     if parallel.sp and t.seq_len % tp:
         raise ConfigError(f"--sp splits the sequence over tp = {tp} ranks: --seq-len {t.seq_len} must divide by it")
     check_context(cfg, parallel)

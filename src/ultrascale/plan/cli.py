@@ -10,6 +10,7 @@ Importing this module costs argparse only; the planner loads when a command runs
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 # (flag, ModelShape field, type, help)
@@ -119,6 +120,12 @@ def cmd_search(args) -> int:
     for k, v in fixed.items():
         if isinstance(v, int) and not isinstance(v, bool) and v < (0 if k == "zero" else 1):
             raise ConfigError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
+    tp = fixed.get("tp")
+    if tp and (shape.heads % tp or shape.kv_heads % tp or shape.ffn_hidden % tp):
+        # Name the rule, not "nothing reaches the batch": no layout with this tp exists at all.
+        raise ConfigError(f"--tp {tp} must divide the {shape.heads} query heads, the {shape.kv_heads} key/value "
+                          f"heads and the MLP width {shape.ffn_hidden}: pick a tp that divides "
+                          f"{math.gcd(shape.heads, shape.kv_heads, shape.ffn_hidden)}")
     result = search(shape, args.gpus, gpu, fw, args.seq_len, args.global_batch_tokens, args.precision, fixed)
     sequences = batch_sequences(args.global_batch_tokens, args.seq_len)
     needed = None if result.ranked else gpus_needed(shape, args.gpus, gpu, fw, args.seq_len,
