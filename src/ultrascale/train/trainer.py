@@ -67,7 +67,10 @@ class Trainer:
         self.grads = parallel.build_grads(self.model, params, ctx, cfg)
         self.main = self.grads.main
         self.model_parallel_sq = parallel.grad_norm_reducer(ctx)
-        self.norm_shares = [getattr(p, "grad_norm_share", 1.0) for p in self.grads.grad_owners()]
+        # A tensor replicated on several ranks that all add to the norm counts 1/copies on each.
+        owner_shares = getattr(self.grads, "norm_shares", None) or [1.0] * len(self.grads.grad_owners())
+        self.norm_shares = [getattr(p, "grad_norm_share", 1.0) * s
+                            for p, s in zip(self.grads.grad_owners(), owner_shares)]
         self.loss_fn = parallel.loss_function(ctx, cfg)
         self.opt = build_adamw(self.main.main, self.main.decay, t)
         self.meter = ActivationMeter(list(self.model.parameters()) + list(self.model.buffers()))
