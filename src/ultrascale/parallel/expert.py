@@ -148,10 +148,11 @@ def apply_expert_parallel(model, ctx, dispatch: str):
         if not isinstance(m, MoE):
             continue
         n = m.n_experts // ep
-        full = {name: tuple(p.shape) for name, p in m.experts.named_parameters()}
+        old = dict(m.experts.named_parameters())
         m.experts = Experts(n, m.cfg.hidden, m.cfg.expert_ffn)
         for name, p in m.experts.named_parameters():
-            p.full_shape, p.ep_offset = full[name], rank * n
+            p.__dict__.update(old[name].__dict__)  # what tensor parallelism noted (replicated over tp)
+            p.full_shape, p.ep_offset = tuple(old[name].shape), rank * n
             p.shard_of_full = lambda t, start=rank * n, n=n: t.narrow(0, start, n)
         m.dispatch = (AllToAllDispatch(group, ep, m.n_experts) if dispatch == "alltoall"
                       else AllGatherDispatch(group, ep, m.n_experts, rank))

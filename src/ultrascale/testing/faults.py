@@ -20,6 +20,8 @@ FAULTS = {
     "sp-norm-grads-not-summed": "under sequence parallelism, norm weight gradients not summed over tp",
     "last-bucket-dropped": "the last bucket's collective never launched",
     "micro-batch-counted-twice": "the first micro-batch accumulated again in place of the last",
+    "expert-grads-averaged-over-edp": "expert gradients averaged over edp only (the 1/ep factor forgotten)",
+    "all-to-all-backward-dropped": "the dispatch all-to-all's backward returns no gradient to the tokens",
 }
 
 
@@ -90,6 +92,21 @@ def _sp_norms_not_summed():
     return mock.patch.object(apply, "replicated", lambda p, world, sum_group=None: layers.replicated(p, world))
 
 
+def _expert_edp_average(owner):
+    expert = getattr(owner, "expert", None)
+    if expert is not None:
+        expert.divisor = owner.ctx.size("edp")
+
+
+def _all_to_all_backward_dropped():
+    from ultrascale.parallel import expert
+
+    def backward(ctx, grad):
+        return grad.new_zeros((sum(ctx.send), *grad.shape[1:])), None, None, None
+
+    return mock.patch.object(expert._AllToAll, "backward", staticmethod(backward))
+
+
 def _patch(name: str):
     if name == "grads-scaled-1.01":
         return _wrap_build_grads(lambda owner: _scale_after_finish(owner, 1.01))
@@ -101,6 +118,10 @@ def _patch(name: str):
         return _count_first_twice()
     if name == "sp-norm-grads-not-summed":
         return _sp_norms_not_summed()
+    if name == "expert-grads-averaged-over-edp":
+        return _wrap_build_grads(_expert_edp_average)
+    if name == "all-to-all-backward-dropped":
+        return _all_to_all_backward_dropped()
     raise KeyError(f"unknown fault {name!r}: one of {', '.join(FAULTS)}")
 
 

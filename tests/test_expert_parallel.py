@@ -1,0 +1,125 @@
+"""Expert parallelism on real gloo processes: the dispatch alone, then training against one process."""
+
+
+import pytest
+import torch
+
+from ultrascale.config import ConfigError, ParallelConfig, RunConfig, TrainConfig, validate
+from ultrascale.model import get_preset
+from ultrascale.testing.compare import FP32, check_against_single, compare_against_single
+from ultrascale.testing.harness import run_distributed, worker_context
+
+
+def _identity(x, counts):
+    assert sum(counts) == x.shape[0]
+    return x * 1.0
+
+
+def _round_trip(dispatch):
+    """Top-1 routing with weight 1 through identity experts: the combine must return the input."""
+    from ultrascale.parallel.expert import AllGatherDispatch, AllToAllDispatch
+
+    ctx = worker_context(ParallelConfig(dp=2, ep=2))
+    rank, group = ctx.index("ep"), ctx.group("ep")
+    d = AllToAllDispatch(group, 2, 4) if dispatch == "alltoall" else AllGatherDispatch(group, 2, 4, rank)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randn(6, 8, generator=g, requires_grad=True)
+    experts = torch.randint(0, 4, (6,), generator=g)
+    weights = torch.ones(6, requires_grad=True)
+    out = d(tokens, torch.arange(6), experts, weights, _identity)
+    upstream = torch.randn(6, 8, generator=g)
+    (out * upstream).sum().backward()
+    return (torch.equal(out, tokens), torch.equal(tokens.grad, upstream),
+            torch.allclose(weights.grad, (tokens * upstream).sum(1)))
+
+
+@pytest.mark.parametrize("dispatch", ["alltoall", "allgather"])
+def test_dispatch_then_combine_with_identity_experts_returns_the_input(dispatch):
+    assert run_distributed(2, _round_trip, dispatch) == [(True, True, True)] * 2
+
+
+def _no_tokens_for_rank_1(dispatch):
+    from ultrascale.model.moe import Experts
+    from ultrascale.parallel.expert import AllGatherDispatch, AllToAllDispatch
+
+    ctx = worker_context(ParallelConfig(dp=2, ep=2))
+    rank, group = ctx.index("ep"), ctx.group("ep")
+    d = AllToAllDispatch(group, 2, 4) if dispatch == "alltoall" else AllGatherDispatch(group, 2, 4, rank)
+    experts = Experts(2, 8, 16)
+    torch.nn.init.normal_(experts.gate), torch.nn.init.normal_(experts.up), torch.nn.init.normal_(experts.down)
+    tokens = torch.randn(5, 8)
+    out = d(tokens, torch.arange(5), torch.zeros(5, dtype=torch.long), torch.ones(5), experts)  # all to expert 0
+    out.sum().backward()
+    return [float(p.grad.abs().sum()) for p in (experts.gate, experts.up, experts.down)]
+
+
+@pytest.mark.parametrize("dispatch", ["alltoall", "allgather"])
+def test_an_expert_that_receives_no_token_gets_a_zero_gradient(dispatch):
+    r0, r1 = run_distributed(2, _no_tokens_for_rank_1, dispatch, timeout=60)
+    assert min(r0) > 0  # rank 0 holds expert 0, which got every token
+    assert r1 == [0.0, 0.0, 0.0]
+
+
+def config(dp, ep, steps=3, grad_accum=1, model=None, **parallel):
+    t = TrainConfig(steps=steps, seq_len=16, micro_batch=2, grad_accum=grad_accum, seed=3, progress=False,
+                    measure_activations=False)
+    model = model or get_preset("tiny-moe", aux_loss_coef=0.0)  # dropless, no aux: the whole-batch control
+    return RunConfig(model=model, parallel=ParallelConfig(dp=dp, ep=ep, bucket_mb=0.05, **parallel), train=t)
+
+
+LAYOUTS = {
+    "ep2, all-to-all": (2, config(2, 2)),
+    "ep2, all-gather": (2, config(2, 2, dispatch="allgather")),
+    "ep4 (dp4), grad accum 2": (4, config(4, 4, grad_accum=2)),
+    "dp4 x ep2, ZeRO-1": (4, config(4, 2, zero=1)),
+    "dp2 x ep2, tp2": (4, config(2, 2, tp=2)),
+    "dp2 x ep2, pp2 1F1B": (4, config(2, 2, pp=2, grad_accum=2)),
+    # Capacity and the aux loss are per-micro-batch statistics: the control sees the same micro-batches.
+    "ep2, capacity 1.0 + aux loss + bias, all-gather": (2, config(2, 2, grad_accum=2, dispatch="allgather", model=get_preset(
+        "tiny-moe", capacity_factor=1.0, aux_loss_coef=0.01, z_loss_coef=1e-3, router_bias_rate=1e-3))),
+    "dp4 x ep2, capacity 1.0 + aux loss": (4, config(4, 2, model=get_preset("tiny-moe", capacity_factor=1.0))),
+}
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("label", list(LAYOUTS))
+def test_matches_the_single_process_run(label):
+    world, cfg = LAYOUTS[label]
+    c = check_against_single(label, cfg, world)
+    if cfg.model.capacity_factor:
+        assert c.max_loss_rel <= FP32.loss_rtol
+
+
+@pytest.mark.parametrize("fault,world,cfg", [
+    ("expert-grads-averaged-over-edp", 2, config(2, 2, steps=2)),
+    ("expert-grads-averaged-over-edp", 4, config(4, 2, steps=2)),
+    ("all-to-all-backward-dropped", 2, config(2, 2, steps=2)),
+])
+def test_the_comparison_rejects_a_wrong_expert_parallel_engine(fault, world, cfg):
+    (c,) = compare_against_single(f"ep {cfg.parallel.ep} dp {cfg.parallel.dp}", cfg, world, fault=fault)
+    assert c.failures(FP32), c.line()
+    assert c.max_grad_rel_l2 > 1e-2  # far from rounding: the algebra is wrong
+
+
+@pytest.mark.parametrize("model,parallel,world,msg", [
+    ("tiny-moe", dict(ep=3, dp=3), 3, "--ep 3 must divide the 8 experts"),
+    ("tiny-moe", dict(ep=4, dp=2), 2, "--ep 4 must divide dp = 2"),
+    ("tiny", dict(ep=2), 2, "model tiny is dense"),
+    ("tiny-moe", dict(ep=2, dispatch="ring"), 2, "--dispatch must be alltoall or allgather"),
+    ("tiny-moe", dict(ep=2, zero=3), 2, "--zero 3 with --ep"),
+])
+def test_bad_expert_layouts_are_refused_before_any_process(model, parallel, world, msg):
+    cfg = RunConfig(model=get_preset(model), parallel=ParallelConfig(**parallel))
+    with pytest.raises(ConfigError, match=msg):
+        validate(cfg, world)
+
+
+def test_bad_moe_flags_exit_2_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    for args, msg in ((["--top-k", "9"], "--top-k 9 must be within 1..8"),
+                      (["--capacity-factor", "-1"], "--capacity-factor must be 0")):
+        r = subprocess.run([sys.executable, "-m", "ultrascale", "train", "--model", "tiny-moe", *args],
+                           capture_output=True, text=True, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and msg in r.stderr, r.stderr
