@@ -28,6 +28,7 @@ TRAIN_FLAGS = [
     ("--moe-ffn-hidden", "model", "moe_ffn_hidden", int, "MoE: width of each expert (0: --ffn-hidden)"),
     ("--capacity-factor", "model", "capacity_factor", float, "MoE: expert capacity factor (0: dropless)"),
     ("--aux-loss-coef", "model", "aux_loss_coef", float, "MoE: load-balancing loss coefficient"),
+    ("--router-score", "model", "router_score", str, "MoE: router scores, softmax or sigmoid"),
     ("--router-bias-rate", "model", "router_bias_rate", float, "MoE: aux-loss-free balancing bias update rate"),
     ("--dp", "parallel", "dp", int, "data-parallel size (default: what the other sizes leave)"),
     ("--tp", "parallel", "tp", int, "tensor-parallel size"),

@@ -156,15 +156,15 @@ class MoE(nn.Module):
     def balance_loss(self, idx, scores, logits):
         """coef * Switch load-balancing loss + coef * z-loss over this micro-batch's tokens, or None."""
         c = self.cfg
-        if not (c.aux_loss_coef or c.z_loss_coef):
-            return None
         t = idx.shape[0]
         counts = torch.bincount(idx.flatten(), minlength=self.n_experts).float()
         probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores normalised per token, as DeepSeek
         aux = self.n_experts * (counts / (t * self.top_k) * probs.mean(0)).sum()
         z = logits.logsumexp(-1).pow(2).mean()
-        self.aux_sum += aux.item()
+        self.aux_sum += aux.item()  # recorded for the metrics even when it is not trained on
         self.z_sum += z.item()
+        if not (c.aux_loss_coef or c.z_loss_coef):
+            return None
         return c.aux_loss_coef * aux + c.z_loss_coef * z
 
     @torch.no_grad()
