@@ -73,6 +73,7 @@ LAYOUTS = {
     "ep4 (dp4), grad accum 2": (4, config(4, 4, grad_accum=2)),
     "dp4 x ep2, ZeRO-1": (4, config(4, 2, zero=1)),
     "dp2 x ep2, tp2": (4, config(2, 2, tp=2)),
+    "dp2 x ep2, tp2 + SP": (4, config(2, 2, tp=2, sp=True, dispatch="allgather")),
     "dp2 x ep2, pp2 1F1B": (4, config(2, 2, pp=2, grad_accum=2)),
     # Capacity and the aux loss are per-micro-batch statistics: the control sees the same micro-batches.
     "ep2, capacity 1.0 + aux loss + bias, all-gather": (2, config(2, 2, grad_accum=2, dispatch="allgather", model=get_preset(
