@@ -150,7 +150,8 @@ def ck_config(world, steps, save="", resume="", **parallel):
     dp = parallel.get("dp", 1)
     t = TrainConfig(steps=steps, seq_len=16, micro_batch=2, grad_accum=4 // dp, seed=5, progress=False,
                     measure_activations=False, save=save, resume=resume)
-    return RunConfig(model=get_preset("tiny-moe"), parallel=ParallelConfig(bucket_mb=0.05, **parallel), train=t)
+    model = get_preset("tiny-moe", router_bias_rate=1e-2)  # the bias is state too: it must resume
+    return RunConfig(model=model, parallel=ParallelConfig(bucket_mb=0.05, **parallel), train=t)
 
 
 def _run(world, cfg):
