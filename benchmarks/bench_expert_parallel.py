@@ -82,9 +82,10 @@ class Runner:
         self.key = self.label = key
         t = TrainConfig(steps=10**6, seq_len=spec["seq_len"], micro_batch=spec["micro_batch"], seed=spec["seed"],
                         device="cpu", progress=False, measure_activations=False)
-        cfg = validate(RunConfig(model=ModelConfig(**spec["model"]), parallel=ParallelConfig(dp=ep, ep=ep, dispatch=key),
-                                 train=t), ep)
-        self.trainer, self.counter, self.losses, self.bytes = Trainer(cfg, worker_context(cfg.parallel)), counter, [], []
+        layout = ParallelConfig(dp=ep, ep=ep, dispatch=key)
+        cfg = validate(RunConfig(model=ModelConfig(**spec["model"]), parallel=layout, train=t), ep)
+        self.trainer, self.counter = Trainer(cfg, worker_context(cfg.parallel)), counter
+        self.losses, self.bytes = [], []
 
     def step(self) -> float:
         before = self.counter[0]

@@ -1,5 +1,6 @@
 """Expert parallelism on real gloo processes: the dispatch alone, then training against one process."""
 
+import dataclasses
 
 import pytest
 import torch
@@ -72,14 +73,24 @@ LAYOUTS = {
     "ep2, all-gather": (2, config(2, 2, dispatch="allgather")),
     "ep4 (dp4), grad accum 2": (4, config(4, 4, grad_accum=2)),
     "dp4 x ep2, ZeRO-1": (4, config(4, 2, zero=1)),
+    "dp4 x ep2, ZeRO-2": (4, config(4, 2, zero=2)),
     "dp2 x ep2, tp2": (4, config(2, 2, tp=2)),
     "dp2 x ep2, tp2 + SP": (4, config(2, 2, tp=2, sp=True, dispatch="allgather")),
     "dp2 x ep2, pp2 1F1B": (4, config(2, 2, pp=2, grad_accum=2)),
+    "dp2 x ep2, pp2 zero-bubble": (4, config(2, 2, pp=2, grad_accum=2, pp_schedule="zero-bubble")),
     # Capacity and the aux loss are per-micro-batch statistics: the control sees the same micro-batches.
-    "ep2, capacity 1.0 + aux loss + bias, all-gather": (2, config(2, 2, grad_accum=2, dispatch="allgather", model=get_preset(
-        "tiny-moe", capacity_factor=1.0, aux_loss_coef=0.01, z_loss_coef=1e-3, router_bias_rate=1e-3))),
+    "ep2, capacity 1.0 + aux loss + bias, all-gather": (2, config(
+        2, 2, grad_accum=2, dispatch="allgather",
+        model=get_preset("tiny-moe", capacity_factor=1.0, aux_loss_coef=0.01, z_loss_coef=1e-3, router_bias_rate=1e-3))),
     "dp4 x ep2, capacity 1.0 + aux loss": (4, config(4, 2, model=get_preset("tiny-moe", capacity_factor=1.0))),
 }
+
+
+def _bf16(cfg):
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype="bf16"))
+
+
+LAYOUTS["ep2, bf16 (against the same micro-batches)"] = (2, _bf16(config(2, 2)))
 
 
 @pytest.mark.equivalence
