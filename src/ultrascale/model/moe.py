@@ -148,7 +148,8 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens)
         self._record(idx, keep)
-        aux = self.balance_loss(idx, scores, logits)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.cfg.aux_loss_coef or self.cfg.z_loss_coef)):
+            aux = self.balance_loss(idx, scores, logits)  # without a coefficient: only the metrics, no graph
         if aux is not None and self.training and torch.is_grad_enabled():
             out = _InjectAuxLoss.apply(out, aux, self.aux_scale)
         return out.view(shape)
