@@ -130,9 +130,12 @@ def test_bad_moe_flags_exit_2_with_one_line(tmp_path):
     import subprocess
     import sys
 
-    for args, msg in ((["--top-k", "9"], "--top-k 9 must be within 1..8"),
-                      (["--capacity-factor", "-1"], "--capacity-factor must be 0")):
-        r = subprocess.run([sys.executable, "-m", "ultrascale", "train", "--model", "tiny-moe", *args],
+    for args, msg in ((["--model", "tiny-moe", "--top-k", "9"], "--top-k 9 must be within 1..8"),
+                      (["--model", "tiny-moe", "--capacity-factor", "-1"], "--capacity-factor must be 0"),
+                      (["--model", "tiny", "--nproc", "2", "--ep", "2"], "model tiny is dense"),
+                      (["--model", "tiny-moe", "--nproc", "2", "--ep", "2", "--dispatch", "ring"], "--dispatch must"),
+                      (["--model", "tiny-moe", "--experts", "6", "--nproc", "4", "--ep", "4"], "must divide the 6")):
+        r = subprocess.run([sys.executable, "-m", "ultrascale", "train", *args],
                            capture_output=True, text=True, cwd=tmp_path)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and msg in r.stderr, r.stderr
 

@@ -142,3 +142,25 @@ def test_the_loss_falls_on_tiny_moe():
     losses = train_single(cfg).losses
     assert losses[-1] < losses[0] - 1.0, losses
     assert dataclasses.replace(cfg.model).is_moe
+
+
+def test_the_step_metrics_count_assignments_and_drops(tmp_path):
+    import json
+
+    from ultrascale.testing.compare import train_single
+    from ultrascale.train.trainer import format_step
+
+    log = tmp_path / "m.jsonl"
+    t = TrainConfig(steps=2, seq_len=16, micro_batch=4, seed=0, progress=False, measure_activations=False,
+                    log_jsonl=str(log))
+    cfg = RunConfig(model=get_preset("tiny-moe", capacity_factor=0.5), parallel=ParallelConfig(), train=t)
+    metrics = train_single(cfg).metrics
+    assert [json.loads(line)["moe"] for line in log.read_text().splitlines()] == [m["moe"] for m in metrics]
+    for m in metrics:
+        e = m["moe"]
+        # 64 tokens x top-2 over 8 experts: 16 assignments per expert on average.
+        assert e["tokens_per_expert_min"] <= 16 <= e["tokens_per_expert_max"]
+        # Each expert keeps at most ceil(0.5 * 64 * 2 / 8) = 8 of a micro-batch's: at least half drop.
+        assert 0.5 <= e["dropped_fraction"] < 1
+        assert e["aux_loss"] > 0 and e["z_loss"] > 0
+        assert f"drop {100 * e['dropped_fraction']:.1f}%" in format_step(m)
