@@ -108,9 +108,15 @@ class MoE(nn.Module):
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        """Per-step statistics: assignments per expert (before dropping), dropped, aux losses."""
-        self.counts = torch.zeros(self.n_experts, dtype=torch.float64)
-        self.dropped, self.aux_sum, self.z_sum, self.calls = 0, 0.0, 0.0, 0
+        """Per-step statistics, summed over the step's micro-batches where the routing runs (no
+        device sync per micro-batch): [assignments per expert (before dropping)..., dropped,
+        aux loss, z-loss, micro-batches], float64."""
+        self.stats = torch.zeros(self.n_experts + 4, dtype=torch.float64, device="cpu")
+
+    counts = property(lambda self: self.stats[:self.n_experts])
+    dropped = property(lambda self: self.stats[-4])
+    aux_sum = property(lambda self: float(self.stats[-3]))
+    z_sum = property(lambda self: float(self.stats[-2]))
 
     def route(self, tokens):
         """(top-k expert indices [T, k], their weights [T, k] fp32, keep mask [T, k], scores, logits)."""
@@ -147,32 +153,30 @@ class MoE(nn.Module):
         out = self.dispatch(tokens, token_of[keep], idx[keep], weights[keep], self.experts)
         if self.shared is not None:
             out = out + self.shared(tokens)
-        self._record(idx, keep)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.cfg.aux_loss_coef or self.cfg.z_loss_coef)):
-            aux = self.balance_loss(idx, scores, logits)  # without a coefficient: only the metrics, no graph
+        trained = bool(self.cfg.aux_loss_coef or self.cfg.z_loss_coef)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and trained):  # otherwise only metrics: no graph
+            aux = self.balance_loss(idx, keep, scores, logits)
         if aux is not None and self.training and torch.is_grad_enabled():
             out = _InjectAuxLoss.apply(out, aux, self.aux_scale)
         return out.view(shape)
 
-    def balance_loss(self, idx, scores, logits):
-        """coef * Switch load-balancing loss + coef * z-loss over this micro-batch's tokens, or None."""
+    def balance_loss(self, idx, keep, scores, logits):
+        """coef * Switch load-balancing loss + coef * z-loss over this micro-batch's tokens, or None.
+        Both are recorded for the metrics, with the loads, even when not trained on."""
         c = self.cfg
         t = idx.shape[0]
         counts = torch.bincount(idx.flatten(), minlength=self.n_experts).float()
         probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores normalised per token, as DeepSeek
         aux = self.n_experts * (counts / (t * self.top_k) * probs.mean(0)).sum()
         z = logits.logsumexp(-1).pow(2).mean()
-        self.aux_sum += aux.item()  # recorded for the metrics even when it is not trained on
-        self.z_sum += z.item()
+        with torch.no_grad():
+            row = torch.cat([counts, torch.stack([(~keep).sum().float(), aux, z, torch.ones_like(z)])]).double()
+            if self.stats.device != row.device:
+                self.stats = self.stats.to(row.device)
+            self.stats += row
         if not (c.aux_loss_coef or c.z_loss_coef):
             return None
         return c.aux_loss_coef * aux + c.z_loss_coef * z
-
-    @torch.no_grad()
-    def _record(self, idx, keep):
-        self.counts += torch.bincount(idx.flatten(), minlength=self.n_experts).double().cpu()
-        self.dropped += int((~keep).sum())
-        self.calls += 1
 
 
 def moe_layers(model) -> list[MoE]:
@@ -186,13 +190,12 @@ def step_loads(model, reduce_sum=None):
     layers = moe_layers(model)
     if not layers:
         return None, None
-    counts = torch.stack([m.counts for m in layers])
-    extra = torch.tensor([sum(m.dropped for m in layers), float(counts.sum()), sum(m.aux_sum for m in layers),
-                          sum(m.z_sum for m in layers), sum(m.calls for m in layers)], dtype=torch.float64)
+    stats = torch.stack([m.stats for m in layers])  # [layers, E + 4]
     if reduce_sum is not None:
-        flat = reduce_sum(torch.cat([counts.flatten(), extra]))
-        counts, extra = flat[:counts.numel()].view_as(counts), flat[counts.numel():]
-    return counts, extra
+        stats = reduce_sum(stats)
+    counts, rest = stats[:, :-4].cpu(), stats[:, -4:].sum(0).cpu()
+    dropped, aux, z, calls = rest.tolist()
+    return counts, torch.tensor([dropped, float(counts.sum()), aux, z, calls], dtype=torch.float64)
 
 
 @torch.no_grad()

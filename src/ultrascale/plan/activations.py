@@ -81,10 +81,11 @@ def layer_terms(shape, spec: ActivationSpec) -> list[tuple[str, float, str]]:
 
 
 def _moe_terms(shape, spec):
-    """Top-k routing as model/moe.py runs it (checked against the engine's meter, tests/test_expert_parallel.py).
-    The router's input in fp32, router probabilities (fp32 softmax, E per token), the top-k scores, their sum and the weights;
-    each token is copied to k experts (the permuted expert inputs, b·h each; the expert outputs,
-    b·h each, kept by the weighting; the weighted outputs, b·h each, kept by the index_add that
+    """Top-k routing as model/moe.py runs it (checked against the engine's meter in
+    tests/test_expert_parallel.py). The router's input in fp32, router probabilities (fp32
+    softmax, E per token), the top-k scores, their sum and the weights; each token is copied to
+    k experts (the permuted expert inputs, b·h each; the expert outputs, b·h each, kept by the
+    weighting; the weighted outputs, b·h each, kept by the index_add that
     combines them); each copy runs an expert MLP (4·b·f_e for SwiGLU); the routing's int64
     indices (four per copy) and keep mask. Expert parallelism moves the copies between ranks but,
     balanced, each rank still processes k copies per local token: an unbalanced router puts more
