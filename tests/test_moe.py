@@ -164,3 +164,21 @@ def test_the_step_metrics_count_assignments_and_drops(tmp_path):
         assert 0.5 <= e["dropped_fraction"] < 1
         assert e["aux_loss"] > 0 and e["z_loss"] > 0
         assert f"drop {100 * e['dropped_fraction']:.1f}%" in format_step(m)
+
+
+def test_the_bias_rule_spreads_a_collapsed_router():
+    # Every token starts on expert 0 (a bias of 1 outweighs any sigmoid score difference); the
+    # sign rule, fed each round's loads, must bring the loads towards their mean.
+    m = moe_layer(experts=4, top_k=1, router_score="sigmoid", router_bias_rate=0.05, aux_loss_coef=0.0)
+    m.router_bias.copy_(torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    t = torch.randn(1, 64, 64)
+    cvs = []
+    with torch.no_grad():
+        for _ in range(40):
+            m.reset_stats()
+            m(t)
+            loads = m.counts.clone()
+            cvs.append(float(loads.std(unbiased=False) / loads.mean()))
+            update_router_bias(torch.nn.ModuleList([m]), loads[None])
+    assert cvs[0] == pytest.approx(math.sqrt(3))  # 64 tokens on one expert of four
+    assert max(cvs[-10:]) < 0.5, cvs
