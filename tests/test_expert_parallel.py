@@ -106,11 +106,19 @@ def test_matches_the_single_process_run(label):
     ("expert-grads-averaged-over-edp", 2, config(2, 2, steps=2)),
     ("expert-grads-averaged-over-edp", 4, config(4, 2, steps=2)),
     ("all-to-all-backward-dropped", 2, config(2, 2, steps=2)),
+    ("all-gather-backward-dropped", 2, config(2, 2, steps=2, dispatch="allgather")),
+    ("all-to-all-backward-dropped", 4, config(2, 2, steps=2, pp=2, grad_accum=2)),
+    ("expert-grads-averaged-over-edp", 4, config(2, 2, steps=2, tp=2)),
+    ("expert-grads-averaged-over-edp", 2, config(2, 2, steps=2, model=get_preset("tiny-moe", capacity_factor=1.0))),
+    ("expert-norm-counted-per-replica", 4, config(4, 2, steps=2)),
 ])
 def test_the_comparison_rejects_a_wrong_expert_parallel_engine(fault, world, cfg):
     (c,) = compare_against_single(f"ep {cfg.parallel.ep} dp {cfg.parallel.dp}", cfg, world, fault=fault)
     assert c.failures(FP32), c.line()
-    assert c.max_grad_rel_l2 > 1e-2  # far from rounding: the algebra is wrong
+    if fault == "expert-norm-counted-per-replica":  # the gradients are right; the norm that clips them is not
+        assert c.max_grad_rel_l2 <= FP32.grad_rtol and c.max_norm_rel > 10 * FP32.norm_rtol, c.line()
+    else:  # far from rounding: the algebra is wrong
+        assert c.max_grad_rel_l2 > 1e-2, c.line()
 
 
 @pytest.mark.parametrize("model,parallel,world,msg", [

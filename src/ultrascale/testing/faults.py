@@ -22,6 +22,8 @@ FAULTS = {
     "micro-batch-counted-twice": "the first micro-batch accumulated again in place of the last",
     "expert-grads-averaged-over-edp": "expert gradients averaged over edp only (the 1/ep factor forgotten)",
     "all-to-all-backward-dropped": "the dispatch all-to-all's backward returns no gradient to the tokens",
+    "all-gather-backward-dropped": "the all-gather dispatch's backward returns no gradient to the tokens",
+    "expert-norm-counted-per-replica": "replicated expert gradients counted once per edp replica in the norm",
 }
 
 
@@ -107,6 +109,22 @@ def _all_to_all_backward_dropped():
     return mock.patch.object(expert._AllToAll, "backward", staticmethod(backward))
 
 
+def _all_gather_backward_dropped():
+    from ultrascale.parallel import expert
+
+    def backward(ctx, grad):
+        return grad.new_zeros((grad.shape[0] // ctx.world, *grad.shape[1:])), None, None
+
+    return mock.patch.object(expert._AllGather, "backward", staticmethod(backward))
+
+
+def _expert_norm_per_replica(owner):
+    expert = getattr(owner, "expert", None)
+    if expert is not None:
+        n = len(expert.grads())
+        owner.norm_shares = owner.norm_shares[:len(owner.norm_shares) - n] + [1.0] * n
+
+
 def _patch(name: str):
     if name == "grads-scaled-1.01":
         return _wrap_build_grads(lambda owner: _scale_after_finish(owner, 1.01))
@@ -122,6 +140,10 @@ def _patch(name: str):
         return _wrap_build_grads(_expert_edp_average)
     if name == "all-to-all-backward-dropped":
         return _all_to_all_backward_dropped()
+    if name == "all-gather-backward-dropped":
+        return _all_gather_backward_dropped()
+    if name == "expert-norm-counted-per-replica":
+        return _wrap_build_grads(_expert_norm_per_replica)
     raise KeyError(f"unknown fault {name!r}: one of {', '.join(FAULTS)}")
 
 
