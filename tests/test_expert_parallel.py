@@ -165,7 +165,8 @@ def test_any_flat_range_of_an_nd_tensor_is_tiled_by_its_rectangles(shape):
 
 
 CK_LAYOUTS = {"1 process": (1, dict()), "dp2 x ep2, ZeRO-1": (2, dict(dp=2, ep=2, zero=1)),
-              "dp4 x ep2": (4, dict(dp=4, ep=2))}
+              "dp4 x ep2": (4, dict(dp=4, ep=2)), "dp4 x ep2, ZeRO-1": (4, dict(dp=4, ep=2, zero=1)),
+              "dp2 x ep2 x tp2": (4, dict(dp=2, ep=2, tp=2))}
 
 
 def ck_config(world, steps, save="", resume="", **parallel):
@@ -186,7 +187,8 @@ def _run(world, cfg):
     return got.losses, got.state
 
 
-@pytest.mark.parametrize("saved,resumed", [("dp2 x ep2, ZeRO-1", "1 process"), ("1 process", "dp4 x ep2")])
+@pytest.mark.parametrize("saved,resumed", [("dp2 x ep2, ZeRO-1", "1 process"), ("1 process", "dp4 x ep2"),
+                                          ("dp4 x ep2, ZeRO-1", "dp2 x ep2 x tp2"), ("dp2 x ep2 x tp2", "dp4 x ep2")])
 def test_expert_shards_checkpoint_and_resume_in_another_layout(tmp_path, saved, resumed):
     ck = str(tmp_path / "ck")
     (w1, p1), (w2, p2) = CK_LAYOUTS[saved], CK_LAYOUTS[resumed]
