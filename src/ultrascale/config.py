@@ -48,6 +48,7 @@ class ParallelConfig:
     dp_mode: str = "bucket"
     bucket_mb: float = 25.0  # PyTorch DDP's default bucket_cap_mb
     dp_comm_dtype: str = "fp32"  # fp32 | bf16 (compress the bucket all-reduce; changes numerics)
+    dispatch: str = "alltoall"  # expert parallelism: alltoall | allgather (parallel/expert.py)
 
     def resolve(self, world_size: int) -> "ParallelConfig":
         """Fill in dp from the world size and check the grid covers it exactly."""
@@ -71,6 +72,8 @@ class ParallelConfig:
             )
         if dp % self.ep:
             raise ConfigError(f"--ep {self.ep} must divide dp = {dp}: expert groups are carved out of data parallelism")
+        if self.dispatch not in ("alltoall", "allgather"):
+            raise ConfigError(f"--dispatch must be alltoall or allgather, got {self.dispatch!r}")
         if self.sp and self.tp == 1:
             raise ConfigError("--sp shards activations across the tensor-parallel group: it needs --tp > 1")
         if self.cp_attention not in CP_ATTENTION:
@@ -196,6 +199,7 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         raise ConfigError(f"--sp splits the sequence over tp = {tp} ranks: --seq-len {t.seq_len} must divide by it")
     check_context(cfg, parallel)
     check_pipeline(cfg, parallel)
+    check_experts(cfg.model, parallel)
     check_implemented(parallel)
     return replace(cfg, parallel=parallel)
 
@@ -252,9 +256,27 @@ def check_pipeline(cfg: RunConfig, parallel: ParallelConfig) -> None:
                           "use an untied model")
 
 
+def check_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
+    ep = parallel.ep
+    if ep == 1:
+        return
+    if not model.is_moe:
+        raise ConfigError(f"--ep {ep} spreads experts over ranks, but model {model.name} is dense: "
+                          f"pick an MoE model (--model tiny-moe) or pass --experts")
+    if model.experts % ep:
+        raise ConfigError(f"--ep {ep} must divide the {model.experts} experts: each rank holds experts / ep of them")
+    if parallel.zero == 3:
+        raise ConfigError("--zero 3 with --ep: expert weights are not gathered per unit; use --zero 1 or 2")
+    if parallel.cp > 1:
+        # Expert gradients are summed over the expert-data-parallel group, which is carved out of dp
+        # alone: the context-parallel ranks' parts of the same sequences would never be combined.
+        raise ConfigError(f"--ep {ep} with --cp {parallel.cp}: expert parallelism is built over data "
+                          f"parallelism only; run --ep with --cp 1, or --cp without --ep")
+
+
 # Which parallel sizes the engine runs today. A technique lands by adding itself
 # here and in ultrascale.parallel; until then a size above 1 is refused, never ignored.
-IMPLEMENTED = {"dp": True, "tp": True, "pp": True, "cp": True, "ep": False, "zero": True}
+IMPLEMENTED = {"dp": True, "tp": True, "pp": True, "cp": True, "ep": True, "zero": True}
 
 
 def check_implemented(p: ParallelConfig) -> None:

@@ -8,6 +8,7 @@ configuration without paying for `import torch`.
 from ultrascale.model.config import (
     PRESETS,
     ModelConfig,
+    count_active_params,
     count_params,
     flops_per_token,
     get_preset,
@@ -25,5 +26,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["PRESETS", "ModelConfig", "count_params", "flops_per_token", "get_preset", "playbook_param_formula",
-           *_LAZY]
+__all__ = ["PRESETS", "ModelConfig", "count_active_params", "count_params", "flops_per_token", "get_preset",
+           "playbook_param_formula", *_LAZY]

@@ -34,10 +34,42 @@ class ModelConfig:
     mlp: str = "swiglu"  # swiglu | gelu
     bias: bool = False
     init_std: float = 0.02
+    # Mixture of Experts (model/moe.py). experts = 0 is a dense model; otherwise every
+    # moe_every-th block (blocks moe_every-1, 2*moe_every-1, ...) replaces its MLP by
+    # `experts` SwiGLU experts of width moe_ffn_hidden, of which each token visits top_k.
+    experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    moe_ffn_hidden: int = 0  # 0: ffn_hidden
+    shared_expert: int = 0  # width of an expert every token visits (0: none; True: moe_ffn_hidden)
+    router_score: str = "softmax"  # softmax | sigmoid
+    router_renorm: bool = True  # rescale the top-k scores to sum to 1
+    capacity_factor: float = 0.0  # 0: dropless; F: each expert takes ceil(F * tokens * k / E) per micro-batch
+    aux_loss_coef: float = 0.0  # Switch Transformer load-balancing loss
+    z_loss_coef: float = 0.0  # router z-loss (ST-MoE)
+    router_bias_rate: float = 0.0  # aux-loss-free balancing (DeepSeek-V3): bias update per step
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden or self.ffn_hidden
+
+    @property
+    def shared_ffn(self) -> int:
+        """Width of the shared expert (0: none); `shared_expert = True` means moe_ffn_hidden."""
+        if self.shared_expert is True:
+            return self.expert_ffn
+        return int(self.shared_expert or 0)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.experts > 0 and (i + 1) % self.moe_every == 0
 
     def validate(self) -> None:
         from ultrascale.errors import ConfigError
@@ -59,6 +91,22 @@ class ModelConfig:
             raise ConfigError(f"model norm must be rmsnorm or layernorm, got {self.norm!r}")
         if self.mlp not in ("swiglu", "gelu"):
             raise ConfigError(f"model mlp must be swiglu or gelu, got {self.mlp!r}")
+        if self.experts < 0:
+            raise ConfigError(f"--experts must be 0 (dense) or positive, got {self.experts}")
+        if not self.experts:
+            return
+        if not 1 <= self.top_k <= self.experts:
+            raise ConfigError(f"--top-k {self.top_k} must be within 1..{self.experts} (the number of experts)")
+        if self.moe_every < 1 or self.moe_ffn_hidden < 0 or self.shared_ffn < 0:
+            raise ConfigError("moe_every must be positive, moe_ffn_hidden and shared_expert >= 0")
+        if self.mlp != "swiglu":
+            raise ConfigError("experts are SwiGLU MLPs: use mlp = swiglu with --experts")
+        if self.router_score not in ("softmax", "sigmoid"):
+            raise ConfigError(f"router_score must be softmax or sigmoid, got {self.router_score!r}")
+        if self.capacity_factor < 0:
+            raise ConfigError(f"--capacity-factor must be 0 (dropless) or positive, got {self.capacity_factor}")
+        if min(self.aux_loss_coef, self.z_loss_coef, self.router_bias_rate) < 0:
+            raise ConfigError("aux_loss_coef, z_loss_coef and router_bias_rate must be >= 0")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,6 +147,27 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": _llama3("llama3-8b", 4096, 32, 32, 14336),
     "llama3-70b": _llama3("llama3-70b", 8192, 80, 64, 28672),
     "llama3-405b": _llama3("llama3-405b", 16384, 126, 128, 53248),
+    # Tests and the demo: `tiny` with 8 SwiGLU experts of width 64 in every block, top-2.
+    "tiny-moe": ModelConfig(name="tiny-moe", vocab_size=257, hidden=64, layers=2, heads=8, kv_heads=4,
+                            ffn_hidden=128, max_seq_len=256, experts=8, top_k=2, moe_ffn_hidden=64,
+                            aux_loss_coef=0.01),
+    # Configuration only (the planner, counts). Mixtral 8x7B: 8 experts, top-2, every block.
+    "mixtral-8x7b": ModelConfig(name="mixtral-8x7b", vocab_size=32000, hidden=4096, layers=32, heads=32,
+                                kv_heads=8, ffn_hidden=14336, max_seq_len=32768, rope_theta=1e6,
+                                experts=8, top_k=2, aux_loss_coef=0.02),
+    # Qwen3-30B-A3B: 128 experts of width 768, top-8, every block, no shared expert
+    # (its attention's 128-wide heads with q/k norms are approximated by hidden / heads).
+    "qwen3-30b-a3b": ModelConfig(name="qwen3-30b-a3b", vocab_size=151936, hidden=2048, layers=48, heads=32,
+                                 kv_heads=4, ffn_hidden=6144, max_seq_len=32768, rope_theta=1e6,
+                                 experts=128, top_k=8, moe_ffn_hidden=768, aux_loss_coef=0.001),
+    # DeepSeek-V3, its MoE part: 256 routed experts of width 2048, top-8, one shared expert,
+    # sigmoid scores renormalised, aux-loss-free bias balancing. Approximations: MLA is
+    # replaced by GQA with 128 query and 128 kv heads of hidden / heads, and the first
+    # three dense blocks by moe_every = 1 (every block MoE); no multi-token prediction.
+    "deepseek-v3": ModelConfig(name="deepseek-v3", vocab_size=129280, hidden=7168, layers=61, heads=128,
+                               kv_heads=128, ffn_hidden=18432, max_seq_len=4096, experts=256, top_k=8,
+                               moe_ffn_hidden=2048, shared_expert=2048, router_score="sigmoid",
+                               router_bias_rate=0.001, aux_loss_coef=0.0001),
     "1b": _playbook("1b", 2048, 16, 32, 8192, tied=True),
     "3b": _playbook("3b", 3072, 28, 32, 8192, tied=True),
     "8b": _playbook("8b", 4096, 32, 32, 14336, tied=False),
@@ -116,11 +185,14 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     return replace(cfg, **overrides) if overrides else cfg
 
 
-def count_params(cfg: ModelConfig) -> int:
+def count_params(cfg: ModelConfig, active: bool = False) -> int:
     """Number of parameters of the module `Transformer(cfg)` builds, from the shape alone.
 
     Attention: q and o are h x h; k and v are h x (kv_heads * head_dim).
     MLP: SwiGLU has three h x f matrices (gate, up, down); GELU has two.
+    MoE block: a router (h x E), E experts of three h x f_e matrices, a shared
+    expert of three h x f_s; active=True counts only top_k of the E experts
+    (what one token's forward uses).
     Norms: RMSNorm has a weight, LayerNorm a weight and a bias.
     """
     h, f, L, v = cfg.hidden, cfg.ffn_hidden, cfg.layers, cfg.vocab_size
@@ -133,7 +205,17 @@ def count_params(cfg: ModelConfig) -> int:
         mlp = 2 * h * f + b * (f + h)
     norm = 2 * h if cfg.norm == "layernorm" else h
     embed = v * h * (1 if cfg.tie_embeddings else 2)
-    return embed + L * (attn + mlp + 2 * norm) + norm
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
+    moe = 0
+    if n_moe:
+        used = cfg.top_k if active else cfg.experts
+        moe = h * cfg.experts + used * 3 * h * cfg.expert_ffn + 3 * h * cfg.shared_ffn
+    return embed + L * (attn + 2 * norm) + (L - n_moe) * mlp + n_moe * moe + norm
+
+
+def count_active_params(cfg: ModelConfig) -> int:
+    """Parameters one token's forward uses: all of them, less the experts it does not visit."""
+    return count_params(cfg, active=True)
 
 
 def playbook_param_formula(h: int, v: int, L: int) -> int:
@@ -148,6 +230,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     6N: forward (2N) and backward (4N) of every weight; 12·L·h·s: the attention
     scores and values (QK^T and AV), forward and backward. N is the total count,
     embeddings included, which is what reproduces the MFU column of the
-    playbook's own benchmark (8B: 7141 tok/s/GPU -> 43.0%).
+    playbook's own benchmark (8B: 7141 tok/s/GPU -> 43.0%). For an MoE model N is
+    the active count: a token's FLOPs go through top_k experts, not all of them.
     """
-    return 6 * count_params(cfg) + 12 * cfg.layers * cfg.hidden * seq_len
+    return 6 * count_active_params(cfg) + 12 * cfg.layers * cfg.hidden * seq_len

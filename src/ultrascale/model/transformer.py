@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ultrascale.model.config import ModelConfig
+from ultrascale.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -108,12 +109,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe: bool = False):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if moe else MLP(cfg)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -125,7 +126,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, cfg.is_moe_layer(i)) for i in range(cfg.layers)})
         self.norm = make_norm(cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
@@ -170,6 +171,9 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for name, b in self.named_buffers():
+            if name.endswith("router_bias"):
+                b.zero_()
         for name, p in self.named_parameters():
             shape = getattr(p, "full_shape", p.shape)
             if source is None:
@@ -188,7 +192,7 @@ def init_tensor(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
     if leaf == "bias" or (leaf == "weight" and "norm" in name):
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
     std = cfg.init_std
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down")):
         # Projections that write into the residual stream: scaled so the stream's
         # variance does not grow with depth (GPT-2 / Megatron).
         std = std / math.sqrt(2 * cfg.layers)

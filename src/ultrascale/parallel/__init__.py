@@ -32,7 +32,8 @@ from __future__ import annotations
 def shard_model(ctx, cfg):
     """The transform that turns the single-device model into this rank's part of it:
     first the pipeline split (keep this rank's layers), then tensor parallelism, then
-    context parallelism."""
+    context parallelism, then
+    expert parallelism (keep this rank's experts)."""
     steps = []
     if ctx.size("pp") > 1:
         from ultrascale.parallel.pipeline.stage import keep_stages, make_linears_deferrable
@@ -49,6 +50,10 @@ def shard_model(ctx, cfg):
         from ultrascale.parallel.context import apply_context_parallel
 
         steps.append(lambda model: apply_context_parallel(model, ctx, cfg.parallel.cp_attention))
+    if ctx.size("ep") > 1:
+        from ultrascale.parallel.expert import apply_expert_parallel
+
+        steps.append(lambda model: apply_expert_parallel(model, ctx, cfg.parallel.dispatch))
     if not steps:
         return None
 
@@ -82,7 +87,12 @@ def pipeline_runtime(model, ctx, cfg, grads, loss_fn, meter):
 
 
 def build_grads(model, params, ctx, cfg):
-    """The gradient owner for this layout: plain, or a data-parallel mode, or ZeRO."""
+    """The gradient owner for this layout: plain, or a data-parallel mode, or ZeRO; under expert
+    parallelism, one for the dense weights and one for the experts (parallel/expert_grads.py)."""
+    if ctx.size("ep") > 1:
+        from ultrascale.parallel.expert_grads import ExpertParallelGrads
+
+        return ExpertParallelGrads(model, params, ctx, cfg)
     if ctx.size("dp_cp") == 1:
         from ultrascale.parallel.grads import LocalGrads
 
@@ -121,7 +131,11 @@ def grad_norm_reducer(ctx):
 
 def full_state(names, params, tensors, ctx) -> dict:
     """{single-device name: full fp32 tensor} from this rank's `tensors` of `params`:
-    tensor-parallel shards gathered, pipeline stages merged."""
+    tensor-parallel shards gathered, experts gathered over ep, pipeline stages merged."""
+    if ctx.size("ep") > 1:
+        from ultrascale.parallel.expert import gather_experts
+
+        tensors = [gather_experts(p, t, ctx) for p, t in zip(params, tensors)]
     if ctx.size("tp") > 1:
         from ultrascale.parallel.tensor import gather_tensor_parallel
 
@@ -141,7 +155,8 @@ def optimizer_chunks(grads, names, ctx, writing: bool = False):
 
     writing=True keeps only the chunks this rank is the one to write: a replica of
     data parallelism (without ZeRO) or a norm replicated over tp is written by the
-    first rank of its group; every rank reads all of its own.
+    first rank of its group (an expert replicated over edp: edp index 0); every
+    rank reads all of its own.
     """
     from ultrascale.parallel.placement import chunks_of
     from ultrascale.parallel.zero import ZeroDataParallel
@@ -150,8 +165,9 @@ def optimizer_chunks(grads, names, ctx, writing: bool = False):
     tp_rank = ctx.index("tp") if ctx.size("tp") > 1 else 0
     sharded = isinstance(grads, ZeroDataParallel)
     out = []
+    replica = getattr(grads, "replica_index", lambda p: 0 if sharded else ctx.index("dp_cp"))
     for i, (p, start, end) in enumerate(grads.main_ranges()):
-        if writing and ((not hasattr(p, "tp_dim") and tp_rank) or (not sharded and ctx.index("dp_cp"))):
+        if writing and ((not hasattr(p, "tp_dim") and tp_rank) or replica(p)):
             continue
         out += chunks_of(i, name_of[id(p)], p, tp_rank, start, end)
     return out

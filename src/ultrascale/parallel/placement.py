@@ -11,11 +11,13 @@ records for a DTensor). This module describes this rank's tensors that way:
   the full tensor and are not part of any chunk;
 - a ZeRO piece is a flat range [a, e) of a (possibly tensor-parallel) parameter,
   row-major: a partial first row, whole rows, a partial last row: at most three
-  rectangles;
+  rectangles (N-D: the same along the leading dim, recursively);
+- an expert-parallel shard [E/ep, ...] of a stacked expert weight starts at its
+  first expert, `ep_offset`, along dim 0;
 - a pipeline stage holds only its own parameters.
 
-Ranks holding the same chunk (data-parallel replicas, norms replicated over tp)
-describe it identically; the checkpoint writes it once.
+Ranks holding the same chunk (data-parallel replicas, norms replicated over tp,
+experts replicated over edp) describe it identically; the checkpoint writes it once.
 """
 
 from __future__ import annotations
@@ -44,23 +46,34 @@ class Chunk:
 
 
 def _rectangles(shape, a: int, e: int):
-    """Split the flat range [a, e) of a row-major tensor of `shape` (1-D or 2-D) into
-    rectangles: (offsets, sizes, flat start) in the tensor's own coordinates."""
+    """Split the flat range [a, e) of a row-major tensor of `shape` (any number of dims) into
+    rectangles: (offsets, sizes, flat start) in the tensor's own coordinates.
+
+    Along the leading dim: a partial first slab (recursing into it), whole slabs, a partial last
+    slab (recursing). A 2-D range gives at most three rectangles, an N-D one at most 2N - 1."""
+    if e <= a:
+        return []
     if len(shape) == 1:
-        return [((a,), (e - a,), a)] if e > a else []
-    rows, cols = shape
+        return [((a,), (e - a,), a)]
+    inner = 1
+    for s in shape[1:]:
+        inner *= s
+
+    def within(r, lo, hi):  # rectangles of slab r, elements [lo, hi) of it
+        return [((r, *o), (1, *z), r * inner + st) for o, z, st in _rectangles(shape[1:], lo, hi)]
+
     out = []
-    if a % cols and a < e:  # a partial first row
-        r, c = divmod(a, cols)
-        end = min(e, (r + 1) * cols)
-        out.append(((r, c), (1, end - a), a))
+    if a % inner:  # a partial first slab
+        r = a // inner
+        end = min(e, (r + 1) * inner)
+        out += within(r, a - r * inner, end - r * inner)
         a = end
-    if e - a >= cols:  # whole rows
-        n = (e - a) // cols
-        out.append(((a // cols, 0), (n, cols), a))
-        a += n * cols
-    if e > a:  # a partial last row
-        out.append(((a // cols, 0), (1, e - a), a))
+    if e - a >= inner:  # whole slabs
+        n = (e - a) // inner
+        out.append(((a // inner, *[0] * (len(shape) - 1)), (n, *shape[1:]), a))
+        a += n * inner
+    if e > a:  # a partial last slab
+        out += within(a // inner, 0, e - a)
     return out
 
 
@@ -69,12 +82,12 @@ def chunks_of(index: int, name: str, param, tp_rank: int, flat_start: int, flat_
     of this rank's `param` (its local, possibly tensor-parallel, shape). `base` is where
     element flat_start sits in the optimizer tensor (0 for whole parameters and ZeRO pieces)."""
     local = tuple(param.shape)
-    assert len(local) in (1, 2), f"{name}: only 1-D and 2-D parameters are placed, not {local}"
     full = tuple(getattr(param, "full_shape", local))
     dim = getattr(param, "tp_dim", None)
     shift = [0] * len(local)
     if dim is not None:
         shift[dim] = tp_rank * local[dim]
+    shift[0] += getattr(param, "ep_offset", None) or 0  # an expert-parallel rank's first expert
     out = []
     for offsets, sizes, start in _rectangles(local, flat_start, flat_end):
         glob = [o + s for o, s in zip(offsets, shift)]

@@ -69,6 +69,9 @@ class ZeroDataParallel(LocalGrads):
 
     def __init__(self, params, dtype, group, world, rank, stage, buckets):
         self.group, self.world, self.rank, self.stage = group, world, rank, stage
+        # Gradients are divided by this before the sum: the group size, except for expert
+        # weights under expert parallelism (parallel/expert_grads.py), where it is dp.
+        self.divisor = world
         self.buckets: list[Bucket] = buckets
         self._bucket_of = {p: b for b in buckets for p in b.params}
         self._callback_queued = False
@@ -173,7 +176,7 @@ class ZeroDataParallel(LocalGrads):
                 out, b.shard_fresh = b.grad_shard, False
             else:
                 out = torch.empty(hi - lo, dtype=torch.float32, device=b.grad.device)
-        b.grad.div_(self.world)
+        b.grad.div_(self.divisor)
         self._pending.append((_reduce_scatter(out, b.grad, group=self.group, async_op=True), b, out))
         self._launched(b)
         if self.stage >= 2 and len(self._pending) > 2:

@@ -95,16 +95,24 @@ def layer_terms(shape, spec: ActivationSpec) -> list[tuple[str, float, str]]:
 
 
 def _moe_terms(shape, spec):
-    """Top-k routing as Megatron / GShard dispatch it (derivation, not measured: the engine has no MoE yet).
-    Router probabilities (fp32 softmax, E per token) and top-k weights; each token is copied to k
-    experts (the permuted expert inputs, b·h each, and the expert outputs combined back, b·h each);
-    each copy runs an expert MLP (4·b·f_e for SwiGLU). Expert parallelism moves the copies between
-    ranks but, balanced, each rank still processes k copies per local token."""
+    """Top-k routing as model/moe.py runs it (checked against the engine's meter in
+    tests/test_expert_parallel.py). The router's input in fp32, router probabilities (fp32
+    softmax, E per token), the top-k scores, their sum and the weights; each token is copied to
+    k experts (the permuted expert inputs, b·h each; the expert outputs, b·h each, kept by the
+    weighting; the weighted outputs, b·h each, kept by the index_add that
+    combines them); each copy runs an expert MLP (4·b·f_e for SwiGLU); the routing's int64
+    indices (four per copy) and keep mask. Expert parallelism moves the copies between ranks but,
+    balanced, each rank still processes k copies per local token: an unbalanced router puts more
+    on the ranks of the popular experts, which this does not model."""
     b, h, k, f = spec.act_bytes, shape.hidden, shape.top_k, shape.expert_ffn
     per_copy = 4 * b * f if shape.mlp == "swiglu" else 2 * b * f
-    return [("router probabilities (fp32)", 4 * shape.experts, "norm"), ("top-k weights", 4 * k, "norm"),
+    return [("router input in fp32 (a copy below fp32)", 0 if b == 4 else 4 * h, "norm"),
+            ("router probabilities (fp32)", 4 * shape.experts, "norm"),
+            ("top-k scores, their sum, weights", 4 * k + 4 + (0 if b == 4 else b * k), "norm"),
             ("expert inputs (dispatched copies)", k * b * h, "norm"),
-            ("expert outputs (before combine)", k * b * h, "norm"),
+            ("expert outputs (before weighting)", k * b * h, "norm"),
+            ("weighted expert outputs (combine)", k * b * h, "norm"),
+            ("routing indices (int64) and keep mask", 33 * k, "norm"),
             ("expert MLPs", k * per_copy, "tp")]
 
 

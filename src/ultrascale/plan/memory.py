@@ -104,7 +104,8 @@ def _unit_params(shape, lay) -> float:
     """Parameters of one ZeRO-3 unit (a block) on this rank: what one all-gather brings."""
     dense = shape.attn_params() / lay.tp + 2 * shape.norm_params()
     if shape.is_moe:
-        return dense + shape.experts * shape.hidden + shape.experts // lay.ep * shape.expert_params() / lay.tp
+        return (dense + shape.experts * shape.hidden + shape.shared_params() / lay.tp
+                + shape.experts // lay.ep * shape.expert_params() / lay.tp)
     return dense + shape.expert_params() / lay.tp
 
 

@@ -1,8 +1,8 @@
 """The model as the planner sees it: a shape, its parameters, and who holds which.
 
-`ModelShape` is `ultrascale.model.config.ModelConfig` plus what the planner needs
-and the engine does not build yet: Mixture-of-Experts fields (experts, top-k,
-expert FFN width). A dense shape's parameter list is exactly the list of
+`ModelShape` is `ultrascale.model.config.ModelConfig` as the planner needs it,
+Mixture-of-Experts fields included (experts, top-k, expert FFN width, shared
+expert; every block MoE). A dense shape's parameter list is exactly the list of
 `Transformer(cfg).named_parameters()`, in registration order, so the planner can
 replay the engine's bucketing and ZeRO padding element for element.
 """
@@ -35,6 +35,7 @@ class ModelShape:
     experts: int = 0
     top_k: int = 1
     expert_ffn_hidden: int = 0  # 0: ffn_hidden
+    shared_expert_ffn: int = 0  # an MLP every token visits, beside the routed experts (DeepSeek)
 
     @property
     def head_dim(self) -> int:
@@ -97,6 +98,8 @@ class ModelShape:
             out.append((f"{p}.mlp.router.weight", self.experts * h))
             for e in range(self.experts):
                 out += self._mlp_params(f"{p}.mlp.experts.{e}", self.expert_ffn, tp)
+            if self.shared_expert_ffn:
+                out += self._mlp_params(f"{p}.mlp.shared", self.shared_expert_ffn, tp)
         else:
             out += self._mlp_params(f"{p}.mlp", self.ffn_hidden, tp)
         return out
@@ -125,6 +128,10 @@ class ModelShape:
         """One MLP (dense) or one expert (MoE)."""
         return _expert_params(self)
 
+    def shared_params(self) -> int:
+        """The shared expert of an MoE block (0: none)."""
+        return sum(n for _, n in self._mlp_params("x", self.shared_expert_ffn)) if self.shared_expert_ffn else 0
+
     def norm_params(self) -> int:
         return self.hidden * (2 if self.norm == "layernorm" else 1)
 
@@ -149,18 +156,18 @@ def _expert_params(shape: ModelShape) -> int:
 
 
 def from_model_config(cfg: ModelConfig, **moe) -> ModelShape:
+    if cfg.is_moe and cfg.moe_every != 1:
+        raise ConfigError(f"model {cfg.name}: the planner models every block as MoE, not every {cfg.moe_every}th")
+    if cfg.is_moe and not moe:
+        moe = dict(experts=cfg.experts, top_k=cfg.top_k, expert_ffn_hidden=cfg.moe_ffn_hidden,
+                   shared_expert_ffn=cfg.shared_ffn)
     return ModelShape(name=cfg.name, vocab=cfg.vocab_size, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
                       kv_heads=cfg.kv_heads, ffn_hidden=cfg.ffn_hidden, tie_embeddings=cfg.tie_embeddings,
                       norm=cfg.norm, mlp=cfg.mlp, bias=cfg.bias, **moe)
 
 
-# Planner-only shapes: MoE models the engine cannot build yet.
-MOE_PRESETS = {
-    "mixtral-8x7b": ModelShape(name="mixtral-8x7b", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8,
-                               ffn_hidden=14336, experts=8, top_k=2),
-    "tiny-moe": ModelShape(name="tiny-moe", vocab=257, hidden=64, layers=2, heads=8, kv_heads=4, ffn_hidden=128,
-                           experts=4, top_k=2),
-}
+# Planner-only shapes (none left: the MoE presets are the engine's, model/config.py).
+MOE_PRESETS: dict[str, ModelShape] = {}
 
 
 def known_models() -> list[str]:

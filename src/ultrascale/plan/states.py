@@ -90,7 +90,7 @@ def stage_params(shape, lay, blocks: tuple[int, bool, bool]) -> tuple[float, flo
     norms = 2 * shape.norm_params()
     dense_layer, expert_layer = attn + norms, 0.0
     if shape.is_moe:
-        dense_layer += shape.experts * h  # the router, replicated
+        dense_layer += shape.experts * h + shape.shared_params() / tp  # the router, replicated; a shared expert
         expert_layer = shape.experts // lay.ep * shape.expert_params() / tp
     else:
         dense_layer += shape.expert_params() / tp + (h if shape.bias else 0) * (1 - 1 / tp)

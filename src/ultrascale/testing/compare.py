@@ -193,10 +193,13 @@ def compare_against_single(label: str, cfg: RunConfig, world_size: int, fault: s
 
     fp32 runs are compared with one process holding the whole global batch in one
     micro-batch; bf16 runs with one process fed the same micro-batches (bf16 rounding
-    depends on the micro-batch, not on the layout).
+    depends on the micro-batch, not on the layout); so are MoE models whose routing
+    depends on the micro-batch's statistics (expert capacity, the load-balancing loss).
     """
     cfg = validate(cfg, world_size)
-    ref = RunRecord.of(train_single(single_process_config(cfg, same_micro_batches=cfg.train.dtype != "fp32")))
+    m = cfg.model
+    same = cfg.train.dtype != "fp32" or bool(m.is_moe and (m.capacity_factor or m.aux_loss_coef))
+    ref = RunRecord.of(train_single(single_process_config(cfg, same_micro_batches=same)))
     per_rank = train_parallel(cfg, world_size, fault=fault)
     label = label + (f" [fault: {fault}]" if fault else "")
     return [compare(label, ref, got, record=rank == 0 and not fault)

@@ -29,6 +29,11 @@ FAULTS = {
     "cp-zigzag-read-as-contiguous": "the ring takes zig-zag shards for contiguous ones",
     "cp-scatter-without-sum": "all-gather attention: each rank keeps its own block of dK/dV, not the sum over ranks",
     "cp-all-to-all-reversed": "Ulysses: the all-to-all's pieces concatenated in reverse rank order",
+    # Expert parallelism (parallel/expert.py).
+    "expert-grads-averaged-over-edp": "expert gradients averaged over edp only (the 1/ep factor forgotten)",
+    "all-to-all-backward-dropped": "the dispatch all-to-all's backward returns no gradient to the tokens",
+    "all-gather-backward-dropped": "the all-gather dispatch's backward returns no gradient to the tokens",
+    "expert-norm-counted-per-replica": "replicated expert gradients counted once per edp replica in the norm",
 }
 
 
@@ -157,6 +162,37 @@ def _context_parallel(name: str):
     raise KeyError(f"unknown fault {name!r}: one of {', '.join(FAULTS)}")
 
 
+def _expert_edp_average(owner):
+    expert = getattr(owner, "expert", None)
+    if expert is not None:
+        expert.divisor = owner.ctx.size("edp")
+
+
+def _all_to_all_backward_dropped():
+    from ultrascale.parallel import expert
+
+    def backward(ctx, grad):
+        return grad.new_zeros((sum(ctx.send), *grad.shape[1:])), None, None, None
+
+    return mock.patch.object(expert._AllToAll, "backward", staticmethod(backward))
+
+
+def _all_gather_backward_dropped():
+    from ultrascale.parallel import expert
+
+    def backward(ctx, grad):
+        return grad.new_zeros((grad.shape[0] // ctx.world, *grad.shape[1:])), None, None
+
+    return mock.patch.object(expert._AllGather, "backward", staticmethod(backward))
+
+
+def _expert_norm_per_replica(owner):
+    expert = getattr(owner, "expert", None)
+    if expert is not None:
+        n = len(expert.grads())
+        owner.norm_shares = owner.norm_shares[:len(owner.norm_shares) - n] + [1.0] * n
+
+
 def _patch(name: str):
     if name.startswith("cp-"):
         return _context_parallel(name)
@@ -170,6 +206,14 @@ def _patch(name: str):
         return _count_first_twice()
     if name == "sp-norm-grads-not-summed":
         return _sp_norms_not_summed()
+    if name == "expert-grads-averaged-over-edp":
+        return _wrap_build_grads(_expert_edp_average)
+    if name == "all-to-all-backward-dropped":
+        return _all_to_all_backward_dropped()
+    if name == "all-gather-backward-dropped":
+        return _all_gather_backward_dropped()
+    if name == "expert-norm-counted-per-replica":
+        return _wrap_build_grads(_expert_norm_per_replica)
     raise KeyError(f"unknown fault {name!r}: one of {', '.join(FAULTS)}")
 
 

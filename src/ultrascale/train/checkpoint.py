@@ -129,6 +129,17 @@ def _ensure_adam_state(opt, step: int) -> None:
             state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
+def _router_biases(trainer) -> dict:
+    """{buffer name: values} of every MoE router bias (aux-loss-free balancing), all pipeline stages'.
+    Replicated on every rank of a stage (the loads are summed over data parallelism): meta.json holds them."""
+    mine = {n: b.tolist() for n, b in trainer.model.named_buffers() if n.endswith("router_bias")}
+    if trainer.ctx.size("pp") > 1:
+        stages = [None] * trainer.ctx.size("pp")
+        dist.all_gather_object(stages, mine, group=trainer.ctx.group("pp"))
+        mine = {n: v for stage in stages for n, v in stage.items()}
+    return mine
+
+
 # -- save and load -------------------------------------------------------------------
 @contextlib.contextmanager
 def _quiet():
@@ -152,13 +163,14 @@ def save(path: str, trainer) -> None:
     ctx.barrier()
     try:
         chunks, shapes = _optimizer_chunks(trainer, writing=True)
+        biases = _router_biases(trainer)
         with _quiet():
             dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp), planner=_ChunkSavePlanner(chunks, shapes),
                      no_dist=not ctx.is_distributed)
         ctx.barrier()
         if ctx.rank == 0:
             meta = {"format": FORMAT, "step": trainer.step, "world_size": ctx.world_size,
-                    "config": trainer.cfg.to_dict()}
+                    "config": trainer.cfg.to_dict(), **({"router_bias": biases} if biases else {})}
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=2)
             if os.path.exists(path):
@@ -182,6 +194,11 @@ def load(path: str, trainer) -> int:
         dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(chunks),
                  no_dist=not trainer.ctx.is_distributed)
     trainer.main.copy_to_model()  # masters -> compute parameters (and ZeRO's all-gather)
+    saved = meta.get("router_bias", {})
+    with torch.no_grad():
+        for name, b in trainer.model.named_buffers():
+            if name in saved:
+                b.copy_(torch.tensor(saved[name], dtype=b.dtype))
     return meta["step"]
 
 

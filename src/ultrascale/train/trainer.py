@@ -22,6 +22,7 @@ from ultrascale.config import RunConfig
 from ultrascale.distributed import failures
 from ultrascale.distributed.context import ParallelContext
 from ultrascale.model import build_model, flops_per_token
+from ultrascale.model.moe import moe_layers, step_loads, update_router_bias
 from ultrascale.train import checkpoint, resume
 from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_tflops, storage_bytes
@@ -64,6 +65,10 @@ class Trainer:
         self.model = build_model(cfg.model, t.seed, ctx.device, transform=parallel.shard_model(ctx, cfg),
                                  source=source)
         apply_recompute(self.model, t.recompute)
+        self.moe = moe_layers(self.model)
+        for m in self.moe:
+            # The aux losses join each micro-batch's loss as the loss does: divided by their number.
+            m.aux_scale = 1.0 / t.grad_accum
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for p in self.model.parameters() if p.requires_grad]
         # The gradient owner also casts the model to the compute dtype and makes the
@@ -71,7 +76,10 @@ class Trainer:
         self.grads = parallel.build_grads(self.model, params, ctx, cfg)
         self.main = self.grads.main
         self.model_parallel_sq = parallel.grad_norm_reducer(ctx)
-        self.norm_shares = [getattr(p, "grad_norm_share", 1.0) for p in self.grads.grad_owners()]
+        # A tensor replicated on several ranks that all add to the norm counts 1/copies on each.
+        owner_shares = getattr(self.grads, "norm_shares", None) or [1.0] * len(self.grads.grad_owners())
+        self.norm_shares = [getattr(p, "grad_norm_share", 1.0) * s
+                            for p, s in zip(self.grads.grad_owners(), owner_shares)]
         self.loss_fn = parallel.loss_function(ctx, cfg)
         self.opt = build_adamw(self.main.main, self.main.decay, t)
         self.meter = ActivationMeter(list(self.model.parameters()) + list(self.model.buffers()))
@@ -109,6 +117,8 @@ class Trainer:
         micro_batches = self.data.micro_batches(self.step, ctx.coords["dp"], cfg.parallel.dp, t.grad_accum, ctx.device)
         micro_batches = parallel.shard_sequences(micro_batches, ctx, cfg)  # context parallelism: this rank's tokens
         self.grads.zero()
+        for m in self.moe:
+            m.reset_stats()
         loss = self.forward_backward(micro_batches)
         self.grads.finish()
         if self.keep_first_grads and self.first_grads is None:
@@ -123,6 +133,7 @@ class Trainer:
         self.opt.step()
         self.main.detach_grads()
         self.main.copy_to_model()
+        moe = self._moe_step() if self.moe else None
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         elapsed = time.perf_counter() - start
@@ -136,7 +147,28 @@ class Trainer:
             "tokens_per_s": tokens_per_s, "tflops": tflops,
             "mfu": tflops / self.peak if self.peak else None,
             "step_time_s": elapsed, "memory": self.memory(),
+            **({"moe": moe} if moe is not None else {}),
         }
+
+    def _moe_step(self) -> dict:
+        """Loads of this step's tokens over all data ranks: the router bias update, and the metrics
+        (of the MoE layers on this pipeline stage)."""
+        import torch.distributed as dist
+
+        groups = [self.ctx.group(g) for g in ("dp_cp",) + (("tp",) if self.cfg.parallel.sp else ())]
+
+        def reduce_sum(t):
+            for g in groups:
+                if g is not None:
+                    dist.all_reduce(t, group=g)
+            return t
+
+        counts, (dropped, assigned, aux, z, calls) = step_loads(self.model, reduce_sum)
+        update_router_bias(self.model, counts)
+        cv = (counts.std(dim=1, unbiased=False) / counts.mean(dim=1)).mean()
+        return {"tokens_per_expert_min": int(counts.min()), "tokens_per_expert_max": int(counts.max()),
+                "tokens_per_expert_cv": float(cv), "dropped_fraction": float(dropped / assigned),
+                "aux_loss": float(aux / calls), "z_loss": float(z / calls)}
 
     def _reduce_norm_sq(self, sq):
         sq = self.grads.reduce_norm_sq(sq)
@@ -240,10 +272,14 @@ def _mb(n):
 def format_step(m: dict) -> str:
     mem = m["memory"]
     mfu = "" if m["mfu"] is None else f" | mfu {100 * m['mfu']:.1f}%"
+    e = m.get("moe")
+    moe = "" if e is None else (
+        f" | tokens/expert {e['tokens_per_expert_min']}-{e['tokens_per_expert_max']} cv "
+        f"{e['tokens_per_expert_cv']:.2f} drop {100 * e['dropped_fraction']:.1f}% aux {e['aux_loss']:.3f}")
     return (f"step {m['step']:>5} | loss {m['loss']:.4f} | grad norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
             f"{m['tokens_per_s']:,.0f} tok/s | {m['tflops']:.3f} TFLOP/s{mfu} | "
             f"params {_mb(mem['params'])} grads {_mb(mem['grads'])} optim {_mb(mem['optim'])} "
-            f"act {_mb(mem['activations'])}")
+            f"act {_mb(mem['activations'])}{moe}")
 
 
 def run_training(cfg: RunConfig, ctx: ParallelContext, log_to_stdout: bool = False,

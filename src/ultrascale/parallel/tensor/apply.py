@@ -5,7 +5,7 @@ Per block, in Megatron's layout:
              kv_heads/tp key/value heads, so GQA groups stay whole on a rank),
              o row-parallel; the attention input enters the region once (one
              f, or one all-gather under SP) for q, k and v together.
-  MLP:       gate and up column-parallel, down row-parallel.
+  MLP:       gate and up column-parallel, down row-parallel; an MoE layer is replicated.
   norms:     replicated; under SP they run on sequence shards, so their weight
              gradients are summed over the TP group.
 Embedding vocabulary-parallel; head column-parallel over the vocabulary (or the
@@ -14,6 +14,7 @@ tied embedding), its logits left sharded for the vocabulary-parallel loss.
 
 from __future__ import annotations
 
+from ultrascale.model.moe import MoE
 from ultrascale.parallel.tensor.comm import TPRegion
 from ultrascale.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -48,13 +49,18 @@ def apply_tensor_parallel(model, ctx, sequence_parallel: bool = False):
         attn.v_proj = ColumnParallelLinear(h, kv, bias, rank, world)
         attn.o_proj = RowParallelLinear(h, h, bias, rank, world, region)
         _enter_once(attn, region)
+        _replicate_norm(block.attn_norm, world, region)
+        _replicate_norm(block.mlp_norm, world, region)
+        if isinstance(mlp, MoE):
+            # Experts stay whole and every tp rank runs the MoE on the tokens it holds (all of them,
+            # or its sequence shard under SP: then the router's and experts' gradients are summed).
+            _replicate_norm(mlp, world, region)
+            continue
         if mlp.swiglu:
             mlp.gate_proj = ColumnParallelLinear(h, f, bias, rank, world)
         mlp.up_proj = ColumnParallelLinear(h, f, bias, rank, world)
         mlp.down_proj = RowParallelLinear(f, h, bias, rank, world, region)
         _enter_once(mlp, region)
-        _replicate_norm(block.attn_norm, world, region)
-        _replicate_norm(block.mlp_norm, world, region)
     if model.norm is not None:
         _replicate_norm(model.norm, world, region)
         padded = -(-cfg.vocab_size // world) * world

@@ -1,0 +1,180 @@
+"""Expert parallelism: the all-gather dispatch against the all-to-all one, on gloo processes.
+
+ep = dp = number of ranks. Both runners are the real `Trainer.train_step` with
+`--ep N --dispatch allgather|alltoall`, from the same weights on the same batches
+(dropless, so both compute the same thing: their losses are compared too).
+
+Bytes moved: every collective of parallel/expert.py is wrapped to count what this
+rank sends to the other ranks of its expert group during one step (forward and
+backward): an all-to-all, the rows it sends to others; an all-gather of n bytes,
+(ep - 1) n (each rank's piece reaches ep - 1 ranks, as in a ring); a
+reduce-scatter of n bytes, (ep - 1) n / ep (a ring). The data-parallel gradient
+reduction is the same for both and not counted.
+
+Runners are interleaved (benchmarks/_common.py); a step's time is the slowest rank's.
+
+    .venv/bin/python benchmarks/bench_expert_parallel.py --ep 2 4 --json /tmp/bench_ep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as common  # noqa: E402
+
+KEYS = ["allgather", "alltoall"]
+
+
+class _CountingDist:
+    """torch.distributed as parallel/expert.py sees it, with all_to_all_single counted."""
+
+    def __init__(self, dist, counter):
+        self._dist, self._counter = dist, counter
+
+    def __getattr__(self, name):
+        return getattr(self._dist, name)
+
+    def all_to_all_single(self, out, inp, out_splits=None, in_splits=None, group=None):
+        me, ep = self._dist.get_rank(group), self._dist.get_world_size(group)
+        if in_splits is None:  # equal pieces (the counts per expert): all but this rank's own
+            self._counter[0] += inp.numel() * inp.element_size() * (ep - 1) // ep
+        else:
+            row = inp.numel() // max(1, inp.shape[0]) * inp.element_size()
+            self._counter[0] += (sum(in_splits) - in_splits[me]) * row
+        return self._dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+
+
+def count_bytes(counter):
+    """Wrap the collectives of parallel/expert.py; counter[0] accumulates the bytes this rank sends."""
+    import torch.distributed as dist
+
+    from ultrascale.parallel import expert
+
+    gather, scatter = expert._all_gather, expert._reduce_scatter
+
+    def all_gather(out, inp, group=None):
+        counter[0] += inp.numel() * inp.element_size() * (dist.get_world_size(group) - 1)
+        return gather(out, inp, group=group)
+
+    def reduce_scatter(out, inp, group=None):
+        ep = dist.get_world_size(group)
+        counter[0] += inp.numel() * inp.element_size() * (ep - 1) // ep
+        return scatter(out, inp, group=group)
+
+    expert.dist = _CountingDist(dist, counter)
+    expert._all_gather, expert._reduce_scatter = all_gather, reduce_scatter
+
+
+class Runner:
+    def __init__(self, key: str, spec: dict, ep: int, counter):
+        from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, validate
+        from ultrascale.model.config import ModelConfig
+        from ultrascale.testing.harness import worker_context
+        from ultrascale.train.trainer import Trainer
+
+        self.key = self.label = key
+        t = TrainConfig(steps=10**6, seq_len=spec["seq_len"], micro_batch=spec["micro_batch"], seed=spec["seed"],
+                        device="cpu", progress=False, measure_activations=False)
+        layout = ParallelConfig(dp=ep, ep=ep, dispatch=key)
+        cfg = validate(RunConfig(model=ModelConfig(**spec["model"]), parallel=layout, train=t), ep)
+        self.trainer, self.counter = Trainer(cfg, worker_context(cfg.parallel)), counter
+        self.losses, self.bytes = [], []
+
+    def step(self) -> float:
+        before = self.counter[0]
+        m = self.trainer.train_step()
+        self.losses.append(m["loss"])
+        self.bytes.append(self.counter[0] - before)
+        return m["step_time_s"]
+
+
+def ep_worker(spec: dict) -> dict:
+    import torch.distributed as dist
+
+    counter = [0]
+    count_bytes(counter)
+    runners = [Runner(k, spec, dist.get_world_size(), counter) for k in KEYS]
+    times = common.interleave(runners, spec["warmup"], spec["repeats"], spec["steps"], dist.barrier)
+    out = {"times": times, "losses": {r.key: r.losses for r in runners},
+           "bytes": {r.key: max(r.bytes) for r in runners}}
+    del runners
+    gc.collect()
+    return out
+
+
+def bench(ep: int, spec: dict, timeout: float) -> list[dict]:
+    from ultrascale.testing.harness import run_distributed
+
+    start = time.perf_counter()
+    per_rank = run_distributed(ep, ep_worker, spec, timeout=timeout)
+    print(f"ep {ep}: {time.perf_counter() - start:.0f}s", flush=True)
+    times, rounds = common.combine([r["times"] for r in per_rank], spec["steps"])
+    rows = []
+    for k in KEYS:
+        rows.append({"ep": ep, "dispatch": k, **common.summary(times[k]), "step_times_s": times[k],
+                     "bytes_per_rank": max(r["bytes"][k] for r in per_rank),
+                     "paired_vs_alltoall": common.paired_ratio(rounds, k, "alltoall"),
+                     "loss_max_rel_diff": common.max_rel_diff(per_rank[0]["losses"][k],
+                                                              per_rank[0]["losses"]["alltoall"])})
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ep", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--moe-ffn-hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--json", metavar="OUT")
+    args = p.parse_args(argv)
+
+    from ultrascale.model.config import ModelConfig, count_params
+    from ultrascale.testing.harness import shutdown_pools
+
+    model = ModelConfig(name="bench-moe", hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4,
+                        ffn_hidden=4 * args.hidden, experts=args.experts, top_k=args.top_k,
+                        moe_ffn_hidden=args.moe_ffn_hidden, max_seq_len=max(256, args.seq_len))
+    spec = {"model": dataclasses.asdict(model), **{k: getattr(args, k) for k in (
+        "seq_len", "micro_batch", "warmup", "repeats", "steps", "seed")}}
+    machine, command = common.machine_info(), common.command_line()
+    print(f"{machine['cpu']} | {machine['cores']} cores | torch {machine['torch']}\n{command}", flush=True)
+    rows = []
+    try:
+        for ep in args.ep:
+            rows += bench(ep, spec, args.timeout)
+    finally:
+        shutdown_pools()
+    machine["loadavg_end"] = os.getloadavg()
+    lines = [f"Command: `{command}`", "", common.machine_line(machine),
+             f"Model: hidden {args.hidden}, {args.layers} MoE layers of {args.experts} experts (ffn "
+             f"{args.moe_ffn_hidden}), top-{args.top_k}: {count_params(model) / 1e6:.2f}M parameters. Per rank "
+             f"{args.micro_batch} x {args.seq_len} tokens, fp32, dp = ep. Median [quartiles] over all timed steps.", "",
+             "| ep | dispatch | step time (s) | vs all-to-all (paired) | MB sent per rank per step | loss rel diff |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['ep']} | {r['dispatch']} | {common.fmt_time(r)} | {r['paired_vs_alltoall']:.2f}x | "
+                     f"{r['bytes_per_rank'] / 2**20:.2f} | {r['loss_max_rel_diff']:.1e} |")
+    print("\n" + "\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command, "machine": machine, "spec": spec, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

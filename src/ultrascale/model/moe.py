@@ -1,0 +1,207 @@
+"""Mixture of Experts: the MLP of a block replaced by many MLPs, each token visiting a few.
+
+A router (a linear layer, h -> E) scores every token against every expert, in
+fp32; the token goes to its top_k experts and their outputs are summed, weighted
+by the scores (renormalised to sum to 1 if asked). Written to know nothing of
+parallelism: `self.dispatch` moves the chosen tokens to the experts and their
+outputs back, and `local_dispatch` below does it in one process; expert
+parallelism (parallel/expert.py) swaps in a dispatcher that crosses ranks.
+
+Capacity (Switch Transformer, GShard): with capacity_factor F each expert takes at
+most ceil(F * tokens * k / E) assignments of the tokens this rank holds in this
+micro-batch; over that, the lowest-scoring assignments are dropped (Megatron's
+rule) and those tokens keep only the residual (and the shared expert). F = 0 is
+dropless.
+
+Balance: the Switch load-balancing loss E * sum_e f_e * P_e (f_e: fraction of the
+assignments to e, P_e: mean score of e) and the router z-loss mean(logsumexp^2)
+are added to the loss by their coefficients (their gradient is injected in
+backward, so neither the trainer nor the pipeline schedule carry them); or, with
+router_bias_rate, DeepSeek-V3's aux-loss-free balancing: a per-expert bias added
+to the scores for the choice only, moved after each optimizer step towards the
+mean load (`update_router_bias`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Experts(nn.Module):
+    """n SwiGLU MLPs with stacked weights: gate and up [n, f, h], down [n, h, f]."""
+
+    def __init__(self, n: int, h: int, f: int):
+        super().__init__()
+        self.gate = nn.Parameter(torch.empty(n, f, h))
+        self.up = nn.Parameter(torch.empty(n, f, h))
+        self.down = nn.Parameter(torch.empty(n, h, f))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [sum(counts), h] in expert-major order: the first counts[0] rows go to expert 0, ..."""
+        outs = []
+        for e, xe in enumerate(x.split(counts)):
+            # An expert with no rows still takes part (an empty matmul): its gradient is a zero, not None.
+            outs.append(F.linear(F.silu(F.linear(xe, self.gate[e])) * F.linear(xe, self.up[e]), self.down[e]))
+        return torch.cat(outs)
+
+
+class SharedExpert(nn.Module):
+    """A SwiGLU MLP every token visits (DeepSeek), named like the dense MLP."""
+
+    def __init__(self, h: int, f: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, f, bias=False)
+        self.up_proj = nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def sort_by_expert(expert_idx: torch.Tensor, n_experts: int):
+    """The permutation that puts assignments in expert-major order, and the count per expert."""
+    order = torch.argsort(expert_idx, stable=True)
+    return order, torch.bincount(expert_idx, minlength=n_experts)
+
+
+def local_dispatch(tokens, token_of, expert_idx, weights, experts: Experts) -> torch.Tensor:
+    """Every expert in this process. tokens [T, h]; token_of, expert_idx, weights [N]: the kept
+    assignments (token, expert, weight). Permute them to expert-major order, run each expert
+    on its rows, weight the outputs by the scores and add them back at their tokens."""
+    order, counts = sort_by_expert(expert_idx, experts.gate.shape[0])
+    y = experts(tokens[token_of[order]], counts.tolist())
+    out = torch.zeros_like(tokens)
+    return out.index_add(0, token_of[order], y * weights[order, None].to(y.dtype))
+
+
+class _InjectAuxLoss(torch.autograd.Function):
+    """Forward: x unchanged. Backward: also d(loss)/d(aux) = scale, so `aux` joins the loss
+    without being returned through the model (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale: float):
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.n_experts, self.top_k = cfg.experts, cfg.top_k
+        self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.experts = Experts(cfg.experts, cfg.hidden, cfg.expert_ffn)
+        self.shared = SharedExpert(cfg.hidden, cfg.shared_ffn) if cfg.shared_ffn else None
+        self.register_buffer("router_bias", torch.zeros(cfg.experts))
+        self.dispatch = local_dispatch
+        self.aux_scale = 1.0  # d(loss)/d(coef * aux): 1 / micro-batches per step, set by the trainer
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Per-step statistics, summed over the step's micro-batches where the routing runs (no
+        device sync per micro-batch): [assignments per expert (before dropping)..., dropped,
+        aux loss, z-loss, micro-batches], float64."""
+        self.stats = torch.zeros(self.n_experts + 4, dtype=torch.float64, device="cpu")
+
+    counts = property(lambda self: self.stats[:self.n_experts])
+    dropped = property(lambda self: self.stats[-4])
+    aux_sum = property(lambda self: float(self.stats[-3]))
+    z_sum = property(lambda self: float(self.stats[-2]))
+
+    def route(self, tokens):
+        """(top-k expert indices [T, k], their weights [T, k] fp32, keep mask [T, k], scores, logits)."""
+        logits = F.linear(tokens.float(), self.router.weight.float())  # fp32 whatever the compute dtype
+        scores = logits.softmax(-1) if self.cfg.router_score == "softmax" else logits.sigmoid()
+        # The bias steers the choice only; the weights stay the scores (DeepSeek-V3).
+        idx = (scores + self.router_bias).topk(self.top_k, dim=-1).indices
+        chosen = scores.gather(1, idx)
+        weights = chosen / chosen.sum(-1, keepdim=True) if self.cfg.router_renorm else chosen
+        keep = self.capacity_mask(idx, chosen.detach())
+        return idx, weights, keep, scores, logits
+
+    def capacity_mask(self, idx, chosen):
+        """Which assignments each expert takes: all (dropless), or its capacity's highest scores."""
+        t = idx.shape[0]
+        if not self.cfg.capacity_factor:
+            return torch.ones_like(idx, dtype=torch.bool)
+        cap = min(t, math.ceil(self.cfg.capacity_factor * t * self.top_k / self.n_experts))
+        # Scores on a 2^-14 grid, then a stable sort: the highest-scoring tokens of each expert, ties by
+        # position. Equal prefixes in two sequences (indentation) give mathematically equal scores that
+        # rounding separates by an ulp or two, differently in each layout; without the grid a parallel
+        # run and one process would drop different ones of them (a 2^-20 grid still did: measured).
+        key = torch.round(chosen * 2**14)
+        by_expert = torch.full((t, self.n_experts), -math.inf, device=idx.device).scatter(1, idx, key)
+        best = by_expert.sort(dim=0, descending=True, stable=True).indices[:cap]  # [cap, E]
+        taken = torch.zeros_like(by_expert, dtype=torch.bool).scatter(0, best, True) & (by_expert > -math.inf)
+        return taken.gather(1, idx)
+
+    def forward(self, x):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        idx, weights, keep, scores, logits = self.route(tokens)
+        token_of = torch.arange(tokens.shape[0], device=x.device)[:, None].expand_as(idx)
+        out = self.dispatch(tokens, token_of[keep], idx[keep], weights[keep], self.experts)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        trained = bool(self.cfg.aux_loss_coef or self.cfg.z_loss_coef)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and trained):  # otherwise only metrics: no graph
+            aux = self.balance_loss(idx, keep, scores, logits)
+        if aux is not None and self.training and torch.is_grad_enabled():
+            out = _InjectAuxLoss.apply(out, aux, self.aux_scale)
+        return out.view(shape)
+
+    def balance_loss(self, idx, keep, scores, logits):
+        """coef * Switch load-balancing loss + coef * z-loss over this micro-batch's tokens, or None.
+        Both are recorded for the metrics, with the loads, even when not trained on."""
+        c = self.cfg
+        t = idx.shape[0]
+        counts = torch.bincount(idx.flatten(), minlength=self.n_experts).float()
+        probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores normalised per token, as DeepSeek
+        aux = self.n_experts * (counts / (t * self.top_k) * probs.mean(0)).sum()
+        z = logits.logsumexp(-1).pow(2).mean()
+        with torch.no_grad():
+            row = torch.cat([counts, torch.stack([(~keep).sum().float(), aux, z, torch.ones_like(z)])]).double()
+            if self.stats.device != row.device:
+                self.stats = self.stats.to(row.device)
+            self.stats += row
+        if not (c.aux_loss_coef or c.z_loss_coef):
+            return None
+        return c.aux_loss_coef * aux + c.z_loss_coef * z
+
+
+def moe_layers(model) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def step_loads(model, reduce_sum=None):
+    """This step's assignments per expert, [MoE layers here, E] float64, summed over the ranks that
+    saw other tokens (`reduce_sum`, in place), with [dropped, assigned, aux sum, z sum, calls]."""
+    layers = moe_layers(model)
+    if not layers:
+        return None, None
+    stats = torch.stack([m.stats for m in layers])  # [layers, E + 4]
+    if reduce_sum is not None:
+        stats = reduce_sum(stats)
+    counts, rest = stats[:, :-4].cpu(), stats[:, -4:].sum(0).cpu()
+    dropped, aux, z, calls = rest.tolist()
+    return counts, torch.tensor([dropped, float(counts.sum()), aux, z, calls], dtype=torch.float64)
+
+
+@torch.no_grad()
+def update_router_bias(model, counts: torch.Tensor) -> None:
+    """After an optimizer step: bias += rate * sign(mean load - load), per layer, from the
+    loads of the whole step's tokens (`counts` from step_loads)."""
+    for m, c in zip(moe_layers(model), counts):
+        if m.cfg.router_bias_rate:
+            m.router_bias += m.cfg.router_bias_rate * torch.sign(c.mean() - c).to(m.router_bias)
