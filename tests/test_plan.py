@@ -1,5 +1,6 @@
 """The planner's formulas, its command line, and its figures on the playbook's measurements."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -196,7 +197,9 @@ def test_search_invariants(capsys):
         assert lay["micro_batch"] * lay["grad_accum"] * lay["dp"] * lay["seq_len"] == 524288
         assert c["memory"]["total"] <= get_gpu("h100-80gb").memory_bytes
         # What the search reports is what `plan memory` says of the same layout.
-        again = memory_plan(get_shape("llama3-8b"), Layout(**lay), get_framework("playbook")).peak.total
+        # (The plan command cuts stages evenly unless --partition compute asks for nanotron's split.)
+        fw = dataclasses.replace(get_framework("playbook"), partition="even")
+        again = memory_plan(get_shape("llama3-8b"), Layout(**lay), fw).peak.total
         assert again == pytest.approx(c["memory"]["total"], rel=1e-12)
 
 
@@ -293,3 +296,22 @@ def test_the_packaged_copy_serves_any_clone(monkeypatch):
     rows, source = validate.load_rows()
     assert len(rows) == 3287 and "packaged" in source
     assert {"model", "nodes", "dp", "tp", "pp", "zero_stage", "status", "peak_memory_gb"} <= set(rows[0])
+
+
+def test_stages_hold_the_engines_split_for_states_and_activations():
+    # 96 blocks on 8 stages: 12 each (the compute split used to put 13 on stage 0). With 2 chunks,
+    # 6 per chunk; first/last stages pinned to fewer blocks give the rest to the middle stages.
+    shape = get_shape("llama3-8b", layers=96)
+    fw = get_framework("ultrascale")
+    for kw, want in ((dict(), [12] * 8), (dict(schedule="interleaved", chunks=2, grad_accum=8), [12] * 8),
+                     (dict(first_stage_layers=6, last_stage_layers=6), [6] + [14] * 6 + [6])):
+        lay = Layout(tp=8, pp=8, seq_len=2048, **kw)
+        plan = memory_plan(shape, lay, fw)
+        assert [s.layers for s in plan.stages] == want, kw
+
+
+def test_first_stage_layers_errors_are_one_line(capsys):
+    code, out, err = cli(capsys, "plan", "memory", "--model", "tiny", "--pp", "2", "--pp-first-stage-layers", "9")
+    assert code == 2 and "at least one block" in err and "Traceback" not in err
+    code, out, err = cli(capsys, "plan", "memory", "--model", "tiny", "--pp-last-stage-layers", "1")
+    assert code == 2 and "need --pp > 1" in err

@@ -38,6 +38,8 @@ LAYOUT_FLAGS = [  # (flag, Layout field, type, help); None default: searched (pl
     ("--micro-batch", "micro_batch", int, "sequences per micro-batch per data-parallel rank"),
     ("--schedule", "schedule", str, "pipeline schedule: afab, 1f1b, interleaved, zero-bubble"),
     ("--chunks", "chunks", int, "model chunks per pipeline rank (interleaved)"),
+    ("--pp-first-stage-layers", "first_stage_layers", int, "blocks of the first pipeline stage (0: the even split)"),
+    ("--pp-last-stage-layers", "last_stage_layers", int, "blocks of the last pipeline stage (0: the even split)"),
 ]
 
 
@@ -53,6 +55,9 @@ def _common(p, search: bool) -> None:
     p.add_argument("--precision", default="bf16", help="fp32, bf16 (default), bf16-fp32-grads, bf16-fp32-accum")
     p.add_argument("--framework", default="playbook", help="playbook (calibrated on the playbook's H100 runs, "
                                                            "default) or ultrascale (our engine's kernels)")
+    p.add_argument("--partition", choices=("even", "compute"), default=None,
+                   help="how blocks are cut into pipeline stages: even (the engine's and Megatron's, default) or "
+                        "compute (nanotron's cost split, what `plan validate` replays for the playbook's runs)")
     p.add_argument("--no-sp", dest="sp", action="store_false", help="tensor parallelism without sequence parallelism")
     p.add_argument("--json", action="store_true", help="print JSON with every field")
     for flag, dest, typ, help_ in LAYOUT_FLAGS:
@@ -95,12 +100,22 @@ def _shape(args):
 
 
 def _context(args):
-    from ultrascale.plan.calibration import get_framework
     from ultrascale.plan.hardware import get_gpu
     from ultrascale.plan.precision import get_precision
 
     get_precision(args.precision)
-    return get_gpu(args.gpu), get_framework(args.framework)
+    return get_gpu(args.gpu), framework_of(args)
+
+
+def framework_of(args):
+    """The --framework preset with the switches given on the command line in place of its own.
+    The stage split is the even one unless --partition compute asks for nanotron's."""
+    from dataclasses import replace
+
+    from ultrascale.plan.calibration import get_framework
+
+    fw = get_framework(args.framework)
+    return replace(fw, partition=args.partition or "even")
 
 
 def cmd_search(args) -> int:
@@ -117,8 +132,9 @@ def cmd_search(args) -> int:
     fixed = {dest: getattr(args, dest) for _, dest, _, _ in LAYOUT_FLAGS if getattr(args, dest) is not None}
     if not args.sp:
         fixed["sp"] = False
+    may_be_zero = ("zero", "first_stage_layers", "last_stage_layers")
     for k, v in fixed.items():
-        if isinstance(v, int) and not isinstance(v, bool) and v < (0 if k == "zero" else 1):
+        if isinstance(v, int) and not isinstance(v, bool) and v < (0 if k in may_be_zero else 1):
             raise ConfigError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
     tp = fixed.get("tp")
     if tp and (shape.heads % tp or shape.kv_heads % tp or shape.ffn_hidden % tp):

@@ -104,11 +104,15 @@ def _variants(shape, base, fixed, allowed):
             schedules.append(("interleaved", 2))
     if fixed.get("schedule") is not None:
         schedules = [(fixed["schedule"], fixed.get("chunks") or (2 if fixed["schedule"] == "interleaved" else 1))]
+    elif (fixed.get("chunks") or 1) > 1:  # --chunks alone asks for the interleaved schedule
+        schedules = [("interleaved", fixed["chunks"])] if base["pp"] > 1 else []
     for zero in allowed("zero", zeros):
         for recompute in allowed("recompute", ["none", "selective", "full"]):
             for schedule, chunks in schedules:
                 yield Layout(**base, zero=zero, recompute=recompute, schedule=schedule, chunks=chunks,
-                             sp=fixed.get("sp", True), cp_attention=fixed.get("cp_attention") or "zigzag")
+                             sp=fixed.get("sp", True), cp_attention=fixed.get("cp_attention") or "zigzag",
+                             first_stage_layers=fixed.get("first_stage_layers") or 0,
+                             last_stage_layers=fixed.get("last_stage_layers") or 0)
 
 
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
