@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -315,3 +316,25 @@ def test_first_stage_layers_errors_are_one_line(capsys):
     assert code == 2 and "at least one block" in err and "Traceback" not in err
     code, out, err = cli(capsys, "plan", "memory", "--model", "tiny", "--pp-last-stage-layers", "1")
     assert code == 2 and "need --pp > 1" in err
+
+
+def test_emitted_config_trains(capsys, tmp_path):
+    # plan -> train: the best layout of a small plan, written as TOML, runs one step as planned.
+    path = tmp_path / "run.toml"
+    code, out, err = cli(capsys, "plan", "--model", "tiny", "--layers", "4", "--gpus", "2", "--pp", "2",
+                         "--pp-first-stage-layers", "1", "--seq-len", "32", "--global-batch-tokens", "128",
+                         "--emit-config", str(path))
+    assert code == 0, err
+    text = path.read_text()
+    for line in ("preset = \"tiny\"", "layers = 4", "pp = 2", "pp_first_stage_layers = 1", "nproc = 2"):
+        assert line in text, (line, text)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "ultrascale", "train", "--config", str(path), "--steps", "1",
+                          "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "done: 1 steps" in run.stdout
+
+
+def test_emit_config_refuses_what_the_engine_cannot_run(capsys, tmp_path):
+    code, _, err = cli(capsys, "plan", "memory", "--model", "tiny-moe", "--emit-config", str(tmp_path / "x.toml"))
+    assert code == 2 and "Mixture-of-Experts" in err

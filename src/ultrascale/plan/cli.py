@@ -72,6 +72,8 @@ def add_parser(sub) -> None:
     p.add_argument("--global-batch-tokens", type=int, default=1048576,
                    help="tokens per optimizer step (default 1,048,576)")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    p.add_argument("--emit-config", metavar="PATH", help="write the best layout as a TOML file for "
+                                                         "`ultrascale train --config PATH`")
     p.set_defaults(func=cmd_search)
     plan_sub = p.add_subparsers(dest="plan_command", metavar="{memory,validate}")
     m = plan_sub.add_parser("memory", help="per-GPU memory (and step time) of one configuration")
@@ -79,6 +81,8 @@ def add_parser(sub) -> None:
     m.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the pipeline's m)")
     m.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket cap in MB (ZeRO padding, buffers)")
     m.add_argument("--chart", help="draw the breakdown as a stacked bar chart (PNG)")
+    m.add_argument("--emit-config", metavar="PATH", help="write this layout as a TOML file for "
+                                                         "`ultrascale train --config PATH`")
     m.set_defaults(func=cmd_memory)
     v = plan_sub.add_parser("validate", help="the planner's figures against the playbook's H100 runs")
     v.add_argument("--data", help="the CSV (default: ../shared/data/playbook_benchmarks.csv, else the packaged copy)")
@@ -144,6 +148,12 @@ def cmd_search(args) -> int:
                           f"{math.gcd(shape.heads, shape.kv_heads, shape.ffn_hidden)}")
     result = search(shape, args.gpus, gpu, fw, args.seq_len, args.global_batch_tokens, args.precision, fixed)
     sequences = batch_sequences(args.global_batch_tokens, args.seq_len)
+    if args.emit_config:
+        if not result.ranked:
+            raise ConfigError(f"--emit-config {args.emit_config}: no layout fits, nothing to write")
+        from ultrascale.plan.emit import write
+
+        write(args.emit_config, shape, result.ranked[0].layout)
     needed = None if result.ranked else gpus_needed(shape, args.gpus, gpu, fw, args.seq_len,
                                                     args.global_batch_tokens, args.precision, fixed)
     if args.json:
@@ -183,6 +193,10 @@ def cmd_memory(args) -> int:
     lay = _layout(args, shape)
     plan = memory_plan(shape, lay, fw)
     timing = step_time(shape, lay, gpu, fw)
+    if args.emit_config:
+        from ultrascale.plan.emit import write
+
+        write(args.emit_config, shape, lay)
     if args.chart:
         from ultrascale.plan.chart import draw_memory
 
