@@ -9,6 +9,7 @@ Importing this module costs argparse only; the planner loads when a command runs
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -54,7 +55,18 @@ def _common(p, search: bool) -> None:
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 (default), bf16-fp32-grads, bf16-fp32-accum")
     p.add_argument("--framework", default="playbook", help="playbook (calibrated on the playbook's H100 runs, "
-                                                           "default) or ultrascale (our engine's kernels)")
+                                                           "default), megatron, or ultrascale (our engine's "
+                                                           "kernels): a bundle of the switches below")
+    p.add_argument("--kernels", choices=("eager", "fused"), default=None,
+                   help="norms and attention layout: eager (our engine) or fused (default: the framework's)")
+    p.add_argument("--attention", choices=("flash", "eager"), default=None,
+                   help="flash keeps the attention output and logsumexp; eager keeps the s x s softmax")
+    p.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                   help="dropout after attention and MLP (1-byte masks kept for backward)")
+    p.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=None,
+                   help="a fused SwiGLU keeps 3 f-wide tensors per token, not 4")
+    p.add_argument("--block", choices=("llama", "gpt"), default=None,
+                   help="gpt: LayerNorm, a 4h GELU MLP and biases in place of the preset's block")
     p.add_argument("--partition", choices=("even", "compute"), default=None,
                    help="how blocks are cut into pipeline stages: even (the engine's and Megatron's, default) or "
                         "compute (nanotron's cost split, what `plan validate` replays for the playbook's runs)")
@@ -97,6 +109,11 @@ def _shape(args):
     if not args.model:
         raise ConfigError(f"--model is required: one of {', '.join(known_models())}")
     overrides = {k[len("shape_"):]: v for k, v in vars(args).items() if k.startswith("shape_") and v is not None}
+    if args.block == "gpt":  # the GPT-3 block (Korthikanti et al.'s count): its MLP is 4h wide unless given
+        hidden = overrides.get("hidden") or get_shape(args.model).hidden
+        overrides = {"norm": "layernorm", "mlp": "gelu", "bias": True, "ffn_hidden": 4 * hidden, **overrides}
+    elif args.block == "llama":
+        overrides = {"norm": "rmsnorm", "mlp": "swiglu", "bias": False, **overrides}
     for k, v in overrides.items():
         if isinstance(v, int) and not isinstance(v, bool) and v <= 0 and k not in ("experts",):
             raise ConfigError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
@@ -119,7 +136,11 @@ def framework_of(args):
     from ultrascale.plan.calibration import get_framework
 
     fw = get_framework(args.framework)
-    return replace(fw, partition=args.partition or "even")
+    switches = {"partition": args.partition or "even"}
+    for name in ("kernels", "attention", "dropout", "fused_swiglu"):
+        if getattr(args, name) is not None:
+            switches[name] = getattr(args, name)
+    return replace(fw, **switches)
 
 
 def cmd_search(args) -> int:

@@ -77,12 +77,14 @@ class MemoryPlan:
 def activation_spec(lay, fw: Framework) -> act.ActivationSpec:
     return act.ActivationSpec(act_bytes=get_precision(lay.precision).act_bytes, tp=lay.tp, sp=lay.sp_on, cp=lay.cp,
                               ep=lay.ep, recompute=lay.recompute, cp_attention=lay.cp_attention, kernels=fw.kernels,
-                              sp_keeps_gathered_input=fw.sp_keeps_gathered_input)
+                              sp_keeps_gathered_input=fw.sp_keeps_gathered_input, attention=fw.attention,
+                              dropout=fw.dropout, fused_swiglu=fw.fused_swiglu, seq_len=lay.seq_len)
 
 
 def _engine_exact(shape, lay, fw) -> bool:
     """Configurations our engine runs today, planned with its own framework: replayed exactly."""
-    return (fw.kernels == "eager" and fw.partition == "even" and lay.ep == 1 and not shape.is_moe
+    return (fw.kernels == "eager" and fw.partition == "even" and fw.attention == "flash" and not fw.dropout
+            and not fw.fused_swiglu and lay.ep == 1 and not shape.is_moe
             and lay.precision in ENGINE_PRECISION.values())
 
 
