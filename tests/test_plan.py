@@ -388,3 +388,17 @@ def test_block_switches():
     gpt = get_shape("gpt3-175b")
     got = layer_bytes(gpt, ActivationSpec(**spec, kernels="fused", dropout=True), 1)
     assert 34 * gpt.hidden <= got <= 34 * gpt.hidden + 1024
+
+
+def test_search_tries_every_chunk_count(capsys):
+    from ultrascale.plan.search import chunk_counts
+
+    assert chunk_counts(80, 8) == [2, 5, 10]  # 10 blocks per stage
+    assert chunk_counts(126, 16) == [2, 4, 7]  # 7 or 8 blocks per stage; 16 x 8 > 126
+    code, out, err = cli(capsys, "plan", "--model", "llama3-70b", "--gpus", "64", "--pp", "8", "--top", "500",
+                         "--json")
+    assert code == 0, err
+    chunks = {c["layout"]["chunks"] for c in json.loads(out)["candidates"] if c["layout"]["schedule"] == "interleaved"}
+    assert chunks == {2, 5, 10}
+    code, out, _ = cli(capsys, "plan", "--model", "llama3-70b", "--gpus", "64", "--pp", "8")
+    assert "against the best of each other schedule" in out and "vs 1f1b" in out
