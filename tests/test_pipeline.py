@@ -140,6 +140,38 @@ def test_matches_the_single_process_run(world, pp, name, m, v, tp, zero):
         assert_matches(compare(_label(world, pp, name, m, v, tp, zero), ref, got, record=rank == 0))
 
 
+def test_split_with_fewer_blocks_on_the_first_and_last_stages():
+    from ultrascale.parallel.pipeline.partition import split
+
+    assert split(8, 4) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert split(10, 4) == ((0, 1, 2), (3, 4, 5), (6, 7), (8, 9))  # the first stages take the remainder
+    assert split(4, 2, first=1) == ((0,), (1, 2, 3))
+    # Llama 3 405B as Meta ran it: 126 blocks on 16 stages, one fewer on the first and the last.
+    sizes = [len(s) for s in split(126, 16, first=7, last=7)]
+    assert sizes == [7] + [8] * 14 + [7]
+    assert [len(s) for s in split(8, 2, 2, first=1, last=1)] == [1, 3, 3, 1]  # virtual stages
+    # The engine cuts its model with the same rule.
+    import torch
+
+    from ultrascale.model.transformer import Transformer
+    from ultrascale.parallel.pipeline.stage import keep_stages
+
+    with torch.device("meta"):
+        kept = [list(keep_stages(Transformer(get_preset("tiny", layers=4)), r, 2, 1, first=1).layers.keys())
+                for r in (0, 1)]
+    assert kept == [["0"], ["1", "2", "3"]]
+
+
+@pytest.mark.equivalence
+def test_fewer_blocks_on_the_first_stage_matches_the_single_process_run():
+    from ultrascale.testing.compare import check_against_single
+
+    p = ParallelConfig(pp=2, pp_first_stage_layers=1)
+    t = TrainConfig(steps=2, seq_len=16, micro_batch=1, grad_accum=2, seed=11, progress=False)
+    cfg = validate(RunConfig(model=get_preset("tiny", layers=4), parallel=p, train=t), 2)
+    check_against_single("pp 2 first stage 1 of 4 layers", cfg, 2)
+
+
 # -- errors and pictures ---------------------------------------------------------------
 @pytest.mark.parametrize("parallel,layers,grad_accum,message", [
     (ParallelConfig(pp=3), 2, 3, "stages but the model has 2 layers"),
@@ -148,6 +180,9 @@ def test_matches_the_single_process_run(world, pp, name, m, v, tp, zero):
     (ParallelConfig(pp=2, pp_chunks=2), 8, 2, "needs --pp-schedule interleaved"),
     (ParallelConfig(pp=2, pp_schedule="gpipe"), 8, 2, "--pp-schedule must be one of"),
     (ParallelConfig(dp=2, pp=2, zero=2), 8, 2, "composes with --zero 1"),
+    (ParallelConfig(pp=2, pp_first_stage_layers=4), 4, 2, "at least one block"),
+    (ParallelConfig(pp=1, pp_last_stage_layers=1), 4, 2, "need --pp > 1"),
+    (ParallelConfig(pp=2, pp_first_stage_layers=-1), 4, 2, "must be 0"),
 ])
 def test_layouts_that_cannot_work(parallel, layers, grad_accum, message):
     world = (parallel.dp or 1) * parallel.pp

@@ -27,9 +27,9 @@ ODD = dict(hidden=18, heads=3, kv_heads=1, ffn_hidden=40)
 
 
 def run_config(dp, tp=1, sp=False, zero=0, dtype="fp32", recompute="none", micro_batch=2, seq_len=32, model=None,
-               pp=1, schedule="1f1b", chunks=1, grad_accum=1):
+               pp=1, schedule="1f1b", chunks=1, grad_accum=1, first=0, last=0):
     p = ParallelConfig(dp=dp, tp=tp, sp=sp, zero=zero, bucket_mb=BUCKET_MB, pp=pp, pp_schedule=schedule,
-                       pp_chunks=chunks)
+                       pp_chunks=chunks, pp_first_stage_layers=first, pp_last_stage_layers=last)
     t = TrainConfig(steps=1, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, seed=3, dtype=dtype,
                     recompute=recompute, progress=False)
     return RunConfig(model=get_preset("tiny", **(model or {})), parallel=p, train=t)
@@ -48,11 +48,12 @@ def check(cfg, label):
     p, t = cfg.parallel, cfg.train
     shape = from_model_config(cfg.model)
     lay = Layout(dp=p.dp, tp=p.tp, sp=p.sp, zero=p.zero, pp=p.pp, schedule=p.pp_schedule, chunks=p.pp_chunks,
+                 first_stage_layers=p.pp_first_stage_layers, last_stage_layers=p.pp_last_stage_layers,
                  micro_batch=t.micro_batch, grad_accum=t.grad_accum, seq_len=t.seq_len,
                  precision=ENGINE_PRECISION[t.dtype], recompute=t.recompute, bucket_mb=p.bucket_mb)
     check_layout(lay, shape)
     plan = memory_plan(shape, lay, get_framework("ultrascale"))
-    stages = stage_layer_ids(shape, p.pp, "even", p.pp_chunks)
+    stages = stage_layer_ids(shape, p.pp, "even", p.pp_chunks, p.pp_first_stage_layers, p.pp_last_stage_layers)
     per_rank = measured(cfg)
     for world_rank, m in enumerate(per_rank):
         # The grid is dp x pp x cp x tp, tp innermost.
@@ -104,20 +105,23 @@ def test_parallel(dp, tp, sp, zero, dtype, recompute, model):
           f"dp {dp} tp {tp}{' sp' if sp else ''} zero {zero} {dtype} {recompute}{' odd' if model else ''}")
 
 
-PIPELINE = [  # (dp, tp, pp, schedule, chunks, grad_accum, zero, dtype)
-    (1, 1, 4, "1f1b", 1, 6, 0, "fp32"), (2, 1, 2, "afab", 1, 3, 1, "bf16"),
-    (2, 1, 2, "interleaved", 2, 4, 0, "fp32"), (1, 2, 2, "zero-bubble", 1, 4, 0, "bf16"),
-    (2, 1, 2, "1f1b", 1, 2, 1, "fp32"),  # the engine composes pipelines with ZeRO-1 only
+PIPELINE = [  # (dp, tp, pp, schedule, chunks, grad_accum, zero, dtype, first, last stage blocks)
+    (1, 1, 4, "1f1b", 1, 6, 0, "fp32", 0, 0), (2, 1, 2, "afab", 1, 3, 1, "bf16", 0, 0),
+    (2, 1, 2, "interleaved", 2, 4, 0, "fp32", 0, 0), (1, 2, 2, "zero-bubble", 1, 4, 0, "bf16", 0, 0),
+    (2, 1, 2, "1f1b", 1, 2, 1, "fp32", 0, 0),  # the engine composes pipelines with ZeRO-1 only
+    (2, 1, 2, "1f1b", 1, 2, 0, "fp32", 1, 0), (2, 1, 2, "1f1b", 1, 3, 1, "bf16", 0, 1),  # 1 + 3, 3 + 1 blocks
 ]
 
 
-@pytest.mark.parametrize("dp,tp,pp,schedule,chunks,ga,zero,dtype", PIPELINE,
+@pytest.mark.parametrize("dp,tp,pp,schedule,chunks,ga,zero,dtype,first,last", PIPELINE,
                          ids=[f"dp{d}-tp{t}-pp{p}-{s}{f'-v{v}' if v > 1 else ''}-m{m}-zero{z}-{dt}"
-                              for d, t, p, s, v, m, z, dt in PIPELINE])
-def test_pipeline(dp, tp, pp, schedule, chunks, ga, zero, dtype):
+                              f"{f'-first{f}' if f else ''}{f'-last{la}' if la else ''}"
+                              for d, t, p, s, v, m, z, dt, f, la in PIPELINE])
+def test_pipeline(dp, tp, pp, schedule, chunks, ga, zero, dtype, first, last):
     model = dict(layers=4)  # one block per stage at pp 4; two chunks of one block at pp 2 x v 2
     check(run_config(dp, tp, tp > 1, zero, dtype, pp=pp, schedule=schedule, chunks=chunks, grad_accum=ga, model=model,
-                     micro_batch=1), f"pp {pp} {schedule} v{chunks} m {ga} dp {dp} tp {tp} zero {zero} {dtype}")
+                     micro_batch=1, first=first, last=last),
+          f"pp {pp} {schedule} v{chunks} m {ga} dp {dp} tp {tp} zero {zero} {dtype} first {first} last {last}")
 
 
 def test_gpt_block_under_tp_and_sp():

@@ -41,6 +41,10 @@ TRAIN_FLAGS = [
     ("--dispatch", "parallel", "dispatch", str, "expert parallelism: alltoall or allgather"),
     ("--pp-schedule", "parallel", "pp_schedule", str, "naive, afab, 1f1b, interleaved or zero-bubble"),
     ("--pp-chunks", "parallel", "pp_chunks", int, "model chunks per pipeline rank (interleaved)"),
+    ("--pp-first-stage-layers", "parallel", "pp_first_stage_layers", int, "blocks of the first pipeline stage "
+                                                                           "(default: the even split)"),
+    ("--pp-last-stage-layers", "parallel", "pp_last_stage_layers", int, "blocks of the last pipeline stage "
+                                                                         "(default: the even split)"),
     ("--sp", "parallel", "sp", bool, "sequence parallelism within the tensor-parallel group"),
     ("--zero", "parallel", "zero", int, "ZeRO stage 0-3 (1: optimizer states, 2: + gradients, 3: + parameters)"),
     ("--dp-mode", "parallel", "dp_mode", str, "data parallelism: naive, overlap or bucket"),

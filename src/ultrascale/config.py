@@ -44,6 +44,10 @@ class ParallelConfig:
     cp_attention: str = "ring"
     pp_schedule: str = "1f1b"  # naive | afab | 1f1b | interleaved | zero-bubble
     pp_chunks: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    # Blocks of the first / last pipeline stage (0: the even split). Fewer there leave room for the
+    # embedding and for the head and its logits (Megatron's --decoder-first/last-pipeline-num-layers).
+    pp_first_stage_layers: int = 0
+    pp_last_stage_layers: int = 0
     # Data parallelism, in the playbook's steps: naive | overlap | bucket.
     dp_mode: str = "bucket"
     bucket_mb: float = 25.0  # PyTorch DDP's default bucket_cap_mb
@@ -243,6 +247,19 @@ def check_pipeline(cfg: RunConfig, parallel: ParallelConfig) -> None:
     if pp * v > cfg.model.layers:
         raise ConfigError(f"--pp {pp} x --pp-chunks {v} = {pp * v} stages but the model has {cfg.model.layers} "
                           f"layers: lower --pp or --pp-chunks, or add --layers")
+    first, last = parallel.pp_first_stage_layers, parallel.pp_last_stage_layers
+    for flag, n in (("--pp-first-stage-layers", first), ("--pp-last-stage-layers", last)):
+        if n < 0:
+            raise ConfigError(f"{flag} must be 0 (the even split) or positive, got {n}")
+    if (first or last) and pp == 1:
+        raise ConfigError("--pp-first-stage-layers / --pp-last-stage-layers need --pp > 1")
+    if first or last:
+        from ultrascale.parallel.pipeline.partition import PartitionError, split
+
+        try:
+            split(cfg.model.layers, pp, v, first, last)
+        except PartitionError as e:
+            raise ConfigError(str(e)) from None
     if pp == 1:
         return
     if parallel.pp_schedule == "interleaved" and m % pp:

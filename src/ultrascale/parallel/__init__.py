@@ -39,7 +39,9 @@ def shard_model(ctx, cfg):
         from ultrascale.parallel.pipeline.stage import keep_stages, make_linears_deferrable
 
         p, v = ctx.size("pp"), cfg.parallel.pp_chunks
-        steps.append(lambda model: keep_stages(model, ctx.index("pp"), p, v))
+        pc = cfg.parallel
+        steps.append(lambda model: keep_stages(model, ctx.index("pp"), p, v, pc.pp_first_stage_layers,
+                                               pc.pp_last_stage_layers))
         if cfg.parallel.pp_schedule == "zero-bubble":
             steps.append(make_linears_deferrable)
     if ctx.size("tp") > 1:

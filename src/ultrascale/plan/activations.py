@@ -60,6 +60,12 @@ class ActivationSpec:
     cp_attention: str = "zigzag"  # allgather | ring | zigzag | ulysses (see the module docstring)
     kernels: str = "eager"  # eager: our engine as written; fused: fused norms, [b, s, heads, d] attention
     sp_keeps_gathered_input: bool = False
+    # flash: the attention keeps its output and logsumexp (SDPA, FlashAttention); eager: it keeps the
+    # s x s softmax (and, with dropout, its mask and output): Korthikanti's 5as/h term.
+    attention: str = "flash"
+    dropout: bool = False  # dropout after attention and MLP keeps a 1-byte mask each (Megatron's GPT)
+    fused_swiglu: bool = False  # a fused SwiGLU keeps gate, up and the product (3f), recomputing silu
+    seq_len: int = 0  # keys each query sees, for eager attention's s x s tensors
 
 
 def _norm(shape, spec: ActivationSpec) -> list[tuple[str, float, str]]:
@@ -79,8 +85,19 @@ def layer_terms(shape, spec: ActivationSpec) -> list[tuple[str, float, str]]:
     out = [("attn_norm " + n, v, r) for n, v, r in _norm(shape, spec)]
     kv_region = "cp_gathered" if spec.cp > 1 and spec.cp_attention == "allgather" else "tp"
     out += [("attn_norm output", b * h, "linear_in"),
-            ("q after RoPE", b * h, "tp"), ("k after RoPE", b * kv, kv_region), ("v", b * kv, kv_region),
-            ("SDPA logsumexp", 4 * a, "tp"), ("SDPA output", b * h, "tp")]
+            ("q after RoPE", b * h, "tp"), ("k after RoPE", b * kv, kv_region), ("v", b * kv, kv_region)]
+    if spec.attention == "eager":
+        # Per query token, one score per head and key: the softmax output (b), with dropout its
+        # 1-byte mask and its output (b): 5·a·s bytes in 16-bit, all recomputed under selective.
+        s = spec.seq_len
+        out.append(("attention softmax", b * a * s, "tp"))
+        if spec.dropout:
+            out += [("attention dropout mask", a * s, "tp"), ("attention dropout output", b * a * s, "tp")]
+    else:
+        out.append(("SDPA logsumexp", 4 * a, "tp"))
+    out.append(("SDPA output", b * h, "tp"))
+    if spec.dropout:
+        out.append(("attention residual dropout mask", h, "norm"))
     if spec.cp > 1 and spec.cp_attention == "ulysses":
         out.append(("Ulysses output, back in the sequence shard", b * h, "tp"))
     out += [("mlp_norm " + n, v, r) for n, v, r in _norm(shape, spec)]
@@ -89,8 +106,13 @@ def layer_terms(shape, spec: ActivationSpec) -> list[tuple[str, float, str]]:
         out += _moe_terms(shape, spec)
     else:
         f = shape.ffn_hidden
-        names = ("gate", "up", "silu(gate)", "silu*up") if shape.mlp == "swiglu" else ("up", "gelu(up)")
+        if shape.mlp == "swiglu":
+            names = ("gate", "up", "silu*up") if spec.fused_swiglu else ("gate", "up", "silu(gate)", "silu*up")
+        else:
+            names = ("up", "gelu(up)")
         out += [(f"mlp {n}", b * f, "tp") for n in names]
+    if spec.dropout:
+        out.append(("mlp residual dropout mask", h, "norm"))
     return out
 
 
@@ -141,7 +163,8 @@ def layer_bytes(shape, spec: ActivationSpec, tokens: int, recompute: str | None 
             # The attention core is recomputed: its logsumexp (and what a context-parallel core adds)
             # is not kept; its inputs, the shard's q, k, v, are; its output survives as the input
             # o_proj saves (a view of it, or the Ulysses copy).
-            if name in ("SDPA logsumexp", "Ulysses output, back in the sequence shard"):
+            if name in ("SDPA logsumexp", "Ulysses output, back in the sequence shard", "attention softmax",
+                        "attention dropout mask", "attention dropout output"):
                 continue
             region = "tp" if region == "cp_gathered" else region
         total += tokens * per_token / divisor(region, spec)

@@ -28,7 +28,7 @@ class Framework:
     # -- implementation facts ------------------------------------------------
     kernels: str  # "eager" (our engine) | "fused" (fused norms, attention in [b, s, heads, d])
     sp_keeps_gathered_input: bool  # column-parallel linears under SP save the all-gathered input
-    partition: str  # how layers are cut into pipeline stages: "even" | "compute" (states.stage_blocks)
+    partition: str  # how layers are cut into pipeline stages: "even" | "compute" (parallel/pipeline/partition.py)
     # -- calibration constants -----------------------------------------------
     context_bytes: float  # CUDA context, cuBLAS/NCCL workspaces: outside the allocator, always there
     fragmentation: float  # caching-allocator overhead on the memory that comes and goes (activations...)
@@ -36,6 +36,10 @@ class Framework:
     layer_overhead_s: float  # fixed cost per layer per micro-batch (kernel launches, small kernels)
     microbatch_overhead_s: float = 0.0  # fixed cost per micro-batch and stage (scheduling, host work)
     help: str = ""
+    # -- more implementation facts (activations.ActivationSpec) ----------------
+    attention: str = "flash"  # flash | eager (keeps the s x s softmax)
+    dropout: bool = False  # 1-byte dropout masks after attention and MLP
+    fused_swiglu: bool = False  # SwiGLU keeps 3f per token, not 4f
 
 
 FRAMEWORKS = {
@@ -47,6 +51,14 @@ FRAMEWORKS = {
         "playbook", kernels="fused", sp_keeps_gathered_input=False, partition="compute",
         context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
         help="the playbook's benchmark framework (nanotron on H100), calibrated on its runs"),
+    # Megatron-LM as Korthikanti et al. (2022) and Llama 3's stack describe it: fused kernels, the
+    # sequence-parallel linear keeps its shard, even stages (first/last may be pinned), dropout in the
+    # GPT block, fused SwiGLU. Its constants are the playbook's: not calibrated on Megatron's runs.
+    "megatron": Framework(
+        "megatron", kernels="fused", sp_keeps_gathered_input=False, partition="even",
+        context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
+        help="Megatron-LM: fused kernels, even stages, dropout masks, fused SwiGLU", dropout=True,
+        fused_swiglu=True),
 }
 
 

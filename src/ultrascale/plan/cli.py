@@ -9,6 +9,7 @@ Importing this module costs argparse only; the planner loads when a command runs
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -38,6 +39,8 @@ LAYOUT_FLAGS = [  # (flag, Layout field, type, help); None default: searched (pl
     ("--micro-batch", "micro_batch", int, "sequences per micro-batch per data-parallel rank"),
     ("--schedule", "schedule", str, "pipeline schedule: afab, 1f1b, interleaved, zero-bubble"),
     ("--chunks", "chunks", int, "model chunks per pipeline rank (interleaved)"),
+    ("--pp-first-stage-layers", "first_stage_layers", int, "blocks of the first pipeline stage (0: the even split)"),
+    ("--pp-last-stage-layers", "last_stage_layers", int, "blocks of the last pipeline stage (0: the even split)"),
 ]
 
 
@@ -52,7 +55,21 @@ def _common(p, search: bool) -> None:
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 (default), bf16-fp32-grads, bf16-fp32-accum")
     p.add_argument("--framework", default="playbook", help="playbook (calibrated on the playbook's H100 runs, "
-                                                           "default) or ultrascale (our engine's kernels)")
+                                                           "default), megatron, or ultrascale (our engine's "
+                                                           "kernels): a bundle of the switches below")
+    p.add_argument("--kernels", choices=("eager", "fused"), default=None,
+                   help="norms and attention layout: eager (our engine) or fused (default: the framework's)")
+    p.add_argument("--attention", choices=("flash", "eager"), default=None,
+                   help="flash keeps the attention output and logsumexp; eager keeps the s x s softmax")
+    p.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None,
+                   help="dropout after attention and MLP (1-byte masks kept for backward)")
+    p.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=None,
+                   help="a fused SwiGLU keeps 3 f-wide tensors per token, not 4")
+    p.add_argument("--block", choices=("llama", "gpt"), default=None,
+                   help="gpt: LayerNorm, a 4h GELU MLP and biases in place of the preset's block")
+    p.add_argument("--partition", choices=("even", "compute"), default=None,
+                   help="how blocks are cut into pipeline stages: even (the engine's and Megatron's, default) or "
+                        "compute (nanotron's cost split, what `plan validate` replays for the playbook's runs)")
     p.add_argument("--no-sp", dest="sp", action="store_false", help="tensor parallelism without sequence parallelism")
     p.add_argument("--json", action="store_true", help="print JSON with every field")
     for flag, dest, typ, help_ in LAYOUT_FLAGS:
@@ -67,6 +84,8 @@ def add_parser(sub) -> None:
     p.add_argument("--global-batch-tokens", type=int, default=1048576,
                    help="tokens per optimizer step (default 1,048,576)")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    p.add_argument("--emit-config", metavar="PATH", help="write the best layout as a TOML file for "
+                                                         "`ultrascale train --config PATH`")
     p.set_defaults(func=cmd_search)
     plan_sub = p.add_subparsers(dest="plan_command", metavar="{memory,validate}")
     m = plan_sub.add_parser("memory", help="per-GPU memory (and step time) of one configuration")
@@ -74,6 +93,8 @@ def add_parser(sub) -> None:
     m.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the pipeline's m)")
     m.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket cap in MB (ZeRO padding, buffers)")
     m.add_argument("--chart", help="draw the breakdown as a stacked bar chart (PNG)")
+    m.add_argument("--emit-config", metavar="PATH", help="write this layout as a TOML file for "
+                                                         "`ultrascale train --config PATH`")
     m.set_defaults(func=cmd_memory)
     v = plan_sub.add_parser("validate", help="the planner's figures against the playbook's H100 runs")
     v.add_argument("--data", help="the CSV (default: ../shared/data/playbook_benchmarks.csv, else the packaged copy)")
@@ -88,6 +109,11 @@ def _shape(args):
     if not args.model:
         raise ConfigError(f"--model is required: one of {', '.join(known_models())}")
     overrides = {k[len("shape_"):]: v for k, v in vars(args).items() if k.startswith("shape_") and v is not None}
+    if args.block == "gpt":  # the GPT-3 block (Korthikanti et al.'s count): its MLP is 4h wide unless given
+        hidden = overrides.get("hidden") or get_shape(args.model).hidden
+        overrides = {"norm": "layernorm", "mlp": "gelu", "bias": True, "ffn_hidden": 4 * hidden, **overrides}
+    elif args.block == "llama":
+        overrides = {"norm": "rmsnorm", "mlp": "swiglu", "bias": False, **overrides}
     for k, v in overrides.items():
         if isinstance(v, int) and not isinstance(v, bool) and v <= 0 and k not in ("experts",):
             raise ConfigError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
@@ -95,12 +121,26 @@ def _shape(args):
 
 
 def _context(args):
-    from ultrascale.plan.calibration import get_framework
     from ultrascale.plan.hardware import get_gpu
     from ultrascale.plan.precision import get_precision
 
     get_precision(args.precision)
-    return get_gpu(args.gpu), get_framework(args.framework)
+    return get_gpu(args.gpu), framework_of(args)
+
+
+def framework_of(args):
+    """The --framework preset with the switches given on the command line in place of its own.
+    The stage split is the even one unless --partition compute asks for nanotron's."""
+    from dataclasses import replace
+
+    from ultrascale.plan.calibration import get_framework
+
+    fw = get_framework(args.framework)
+    switches = {"partition": args.partition or "even"}
+    for name in ("kernels", "attention", "dropout", "fused_swiglu"):
+        if getattr(args, name) is not None:
+            switches[name] = getattr(args, name)
+    return replace(fw, **switches)
 
 
 def cmd_search(args) -> int:
@@ -117,8 +157,9 @@ def cmd_search(args) -> int:
     fixed = {dest: getattr(args, dest) for _, dest, _, _ in LAYOUT_FLAGS if getattr(args, dest) is not None}
     if not args.sp:
         fixed["sp"] = False
+    may_be_zero = ("zero", "first_stage_layers", "last_stage_layers")
     for k, v in fixed.items():
-        if isinstance(v, int) and not isinstance(v, bool) and v < (0 if k == "zero" else 1):
+        if isinstance(v, int) and not isinstance(v, bool) and v < (0 if k in may_be_zero else 1):
             raise ConfigError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
     tp = fixed.get("tp")
     if tp and (shape.heads % tp or shape.kv_heads % tp or shape.ffn_hidden % tp):
@@ -128,6 +169,12 @@ def cmd_search(args) -> int:
                           f"{math.gcd(shape.heads, shape.kv_heads, shape.ffn_hidden)}")
     result = search(shape, args.gpus, gpu, fw, args.seq_len, args.global_batch_tokens, args.precision, fixed)
     sequences = batch_sequences(args.global_batch_tokens, args.seq_len)
+    if args.emit_config:
+        if not result.ranked:
+            raise ConfigError(f"--emit-config {args.emit_config}: no layout fits, nothing to write")
+        from ultrascale.plan.emit import write
+
+        write(args.emit_config, shape, result.ranked[0].layout)
     needed = None if result.ranked else gpus_needed(shape, args.gpus, gpu, fw, args.seq_len,
                                                     args.global_batch_tokens, args.precision, fixed)
     if args.json:
@@ -167,6 +214,10 @@ def cmd_memory(args) -> int:
     lay = _layout(args, shape)
     plan = memory_plan(shape, lay, fw)
     timing = step_time(shape, lay, gpu, fw)
+    if args.emit_config:
+        from ultrascale.plan.emit import write
+
+        write(args.emit_config, shape, lay)
     if args.chart:
         from ultrascale.plan.chart import draw_memory
 

@@ -28,6 +28,9 @@ class Layout:
     zero: int = 0
     schedule: str = "1f1b"  # pipeline schedule: afab | 1f1b | interleaved | zero-bubble
     chunks: int = 1  # v: model chunks per pipeline rank (interleaved schedule)
+    # Blocks of the first / last pipeline stage; 0: the even split (parallel/pipeline/partition.py).
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
     recompute: str = "none"
     # Context parallelism's attention (the engine's --cp-attention). The planner's default is the
     # zig-zag ring: the time model assumes the causal work is balanced over the cp ranks.
@@ -87,8 +90,21 @@ def check_layout(lay: Layout, shape) -> None:
     if shape.heads % lay.tp or shape.kv_heads % lay.tp:
         raise ConfigError(f"--tp {lay.tp} must divide the {shape.heads} query heads and the {shape.kv_heads} "
                           f"key/value heads")
+    for flag, n in (("--pp-first-stage-layers", lay.first_stage_layers),
+                    ("--pp-last-stage-layers", lay.last_stage_layers)):
+        if n < 0:
+            raise ConfigError(f"{flag} must be 0 (the even split) or positive, got {n}")
+    if (lay.first_stage_layers or lay.last_stage_layers) and lay.pp == 1:
+        raise ConfigError("--pp-first-stage-layers / --pp-last-stage-layers need --pp > 1")
     if lay.pp * lay.chunks > shape.layers:
         raise ConfigError(f"--pp {lay.pp} x --chunks {lay.chunks} exceeds the model's {shape.layers} layers")
+    if lay.first_stage_layers or lay.last_stage_layers:
+        from ultrascale.parallel.pipeline.partition import PartitionError, split
+
+        try:
+            split(shape.layers, lay.pp, lay.chunks, lay.first_stage_layers, lay.last_stage_layers)
+        except PartitionError as e:
+            raise ConfigError(str(e)) from None
     if lay.chunks > 1 and lay.schedule != "interleaved":
         raise ConfigError(f"--chunks {lay.chunks} needs --schedule interleaved")
     if lay.schedule == "interleaved" and lay.pp > 1 and lay.grad_accum % lay.pp:

@@ -77,12 +77,14 @@ class MemoryPlan:
 def activation_spec(lay, fw: Framework) -> act.ActivationSpec:
     return act.ActivationSpec(act_bytes=get_precision(lay.precision).act_bytes, tp=lay.tp, sp=lay.sp_on, cp=lay.cp,
                               ep=lay.ep, recompute=lay.recompute, cp_attention=lay.cp_attention, kernels=fw.kernels,
-                              sp_keeps_gathered_input=fw.sp_keeps_gathered_input)
+                              sp_keeps_gathered_input=fw.sp_keeps_gathered_input, attention=fw.attention,
+                              dropout=fw.dropout, fused_swiglu=fw.fused_swiglu, seq_len=lay.seq_len)
 
 
 def _engine_exact(shape, lay, fw) -> bool:
     """Configurations our engine runs today, planned with its own framework: replayed exactly."""
-    return (fw.kernels == "eager" and fw.partition == "even" and lay.ep == 1 and not shape.is_moe
+    return (fw.kernels == "eager" and fw.partition == "even" and fw.attention == "flash" and not fw.dropout
+            and not fw.fused_swiglu and lay.ep == 1 and not shape.is_moe
             and lay.precision in ENGINE_PRECISION.values())
 
 
@@ -144,7 +146,8 @@ def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
     plan = MemoryPlan()
     cache = {}  # stages holding as many blocks share their states and buffers (by formula)
     exact = _engine_exact(shape, lay, fw)
-    for stage, ids in enumerate(stage_layer_ids(shape, lay.pp, fw.partition, lay.chunks)):
+    split = (fw.partition, lay.chunks, lay.first_stage_layers, lay.last_stage_layers)
+    for stage, ids in enumerate(stage_layer_ids(shape, lay.pp, *split)):
         blocks = (len(ids[0]), ids[1], ids[2])
         n_layers, first, last = blocks
         key = ids if exact else blocks
@@ -156,7 +159,9 @@ def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
         # Each chunk's activations times the micro-batches it holds; the embedding rides with the
         # first chunk of the first stage, the final norm and the loss with the last chunk of the last.
         held = held_per_chunk(lay.schedule, lay.pp, lay.grad_accum, lay.chunks, stage)
-        sizes = chunk_layers(shape, lay.pp, lay.chunks, stage) if lay.chunks > 1 else [n_layers]
+        # The chunks' block counts come from the same split as the states (no second rule to drift).
+        sizes = chunk_layers(shape, lay.pp, lay.chunks, stage, fw.partition, lay.first_stage_layers,
+                             lay.last_stage_layers)
         per_chunk = [n * layer + act.rope_bytes(shape, spec, lay.seq_len) for n in sizes]
         if first:
             per_chunk[0] += act.embedding_bytes(tokens, spec)

@@ -87,6 +87,33 @@ def explain(shape, result, gpu, gpus, sequences) -> list[str]:
         else:
             out.append(f"   Runner-up: {nxt.layout.label()}, {gap:.1f}% slower (its largest other cost: "
                        f"{_costliest(nxt.time)}).")
+    out += _other_schedules(result)
+    return out
+
+
+def _other_schedules(result) -> list[str]:
+    """Why the winner's pipeline schedule: the best layout of the same sizes under each other
+    (schedule, chunks), and the cost where it loses most."""
+    best = result.ranked[0]
+    lay = best.layout
+    if lay.pp == 1:
+        return []
+    same = [c for c in result.ranked[1:] if (c.layout.dp, c.layout.tp, c.layout.pp, c.layout.cp)
+            == (lay.dp, lay.tp, lay.pp, lay.cp) and (c.layout.schedule, c.layout.chunks) != (lay.schedule, lay.chunks)]
+    seen, out = set(), []
+    for c in same:  # ranked: the first of each schedule is its best
+        key = (c.layout.schedule, c.layout.chunks)
+        if key in seen:
+            continue
+        seen.add(key)
+        gap = 100 * (1 - c.time.tokens_per_s_per_gpu / best.time.tokens_per_s_per_gpu)
+        diffs = {k: c.time.breakdown[k] - best.time.breakdown.get(k, 0.0) for k in c.time.breakdown}
+        worse = max(diffs, key=diffs.get)
+        name = c.layout.schedule + (f" v{c.layout.chunks}" if c.layout.chunks > 1 else "")
+        out.append(f"   vs {name}: {gap:.1f}% slower ({worse.replace('_', ' ')} +{diffs[worse]:.3f} s per step)")
+    if out:
+        sched = lay.schedule + (f" v{lay.chunks}" if lay.chunks > 1 else "")
+        out.insert(0, f"   Pipeline schedule {sched}, against the best of each other schedule at these sizes:")
     return out
 
 

@@ -94,21 +94,32 @@ def layouts(shape, gpus: int, gpu, seq_len: int, sequences: int, precision: str,
                                              fixed, allowed)
 
 
+def chunk_counts(layers: int, pp: int) -> list[int]:
+    """Interleaved chunk counts worth trying: every v >= 2 that divides a stage's blocks (the even
+    split gives each stage layers // pp or one more), so each chunk holds as many blocks."""
+    per_stage = {layers // pp, -(-layers // pp)}
+    return sorted({v for n in per_stage for v in divisors(n) if v >= 2 and pp * v <= layers})
+
+
 def _variants(shape, base, fixed, allowed):
     zeros = [z for z in (0, 1, 2, 3) if z == 0 or base["dp"] * base["cp"] > 1]
     if base["pp"] == 1:
         schedules = [("1f1b", 1)]
     else:
         schedules = [(s, 1) for s in SEARCH_SCHEDULES if s != "interleaved"]
-        if shape.layers % (2 * base["pp"]) == 0 and base["grad_accum"] % base["pp"] == 0:
-            schedules.append(("interleaved", 2))
+        if base["grad_accum"] % base["pp"] == 0:
+            schedules += [("interleaved", v) for v in chunk_counts(shape.layers, base["pp"])]
     if fixed.get("schedule") is not None:
         schedules = [(fixed["schedule"], fixed.get("chunks") or (2 if fixed["schedule"] == "interleaved" else 1))]
+    elif (fixed.get("chunks") or 1) > 1:  # --chunks alone asks for the interleaved schedule
+        schedules = [("interleaved", fixed["chunks"])] if base["pp"] > 1 else []
     for zero in allowed("zero", zeros):
         for recompute in allowed("recompute", ["none", "selective", "full"]):
             for schedule, chunks in schedules:
                 yield Layout(**base, zero=zero, recompute=recompute, schedule=schedule, chunks=chunks,
-                             sp=fixed.get("sp", True), cp_attention=fixed.get("cp_attention") or "zigzag")
+                             sp=fixed.get("sp", True), cp_attention=fixed.get("cp_attention") or "zigzag",
+                             first_stage_layers=fixed.get("first_stage_layers") or 0,
+                             last_stage_layers=fixed.get("last_stage_layers") or 0)
 
 
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}

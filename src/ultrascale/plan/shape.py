@@ -170,8 +170,19 @@ def from_model_config(cfg: ModelConfig, **moe) -> ModelShape:
 MOE_PRESETS: dict[str, ModelShape] = {}
 
 
+# The GPT-3-style models of Korthikanti et al. 2022 (Table 3: hidden, heads, layers; seq 2048, vocab
+# 51,200 padded), for planning their published runs. The engine could build them (GPT block) but has
+# no preset for them, so they live here.
+PUBLISHED_PRESETS = {
+    name: ModelShape(name=name, vocab=51200, hidden=h, layers=layers, heads=a, kv_heads=a, ffn_hidden=4 * h,
+                     norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True)
+    for name, h, a, layers in (("gpt3-175b", 12288, 96, 96), ("megatron-530b", 20480, 128, 105),
+                               ("megatron-1t", 25600, 160, 128))
+}
+
+
 def known_models() -> list[str]:
-    return list(PRESETS) + list(MOE_PRESETS)
+    return list(PRESETS) + list(MOE_PRESETS) + list(PUBLISHED_PRESETS)
 
 
 def get_shape(name: str, **overrides) -> ModelShape:
@@ -180,6 +191,8 @@ def get_shape(name: str, **overrides) -> ModelShape:
         shape = from_model_config(PRESETS[name])
     elif name in MOE_PRESETS:
         shape = MOE_PRESETS[name]
+    elif name in PUBLISHED_PRESETS:
+        shape = PUBLISHED_PRESETS[name]
     else:
         raise ConfigError(f"unknown model {name!r}: choose one of {', '.join(known_models())}")
     known = {f.name for f in fields(ModelShape)}

@@ -26,59 +26,42 @@ from __future__ import annotations
 
 import functools
 
+from ultrascale.config import ConfigError
+from ultrascale.parallel.pipeline.partition import PartitionError, holds_embedding, holds_head, rank_chunks, split
 from ultrascale.plan.activations import padded_vocab
 from ultrascale.plan.precision import Precision
 
 
-@functools.lru_cache(maxsize=1024)
-def stage_layer_ids(shape, pp: int, partition: str = "even", chunks: int = 1):
-    """(block ids, holds the embedding, holds the head) for each pipeline rank.
-
-    even:    the engine's split (parallel/pipeline/stage.py): L blocks over pp x chunks virtual
-             stages, in order, the first ones taking one more; rank r holds virtual stages
-             c·pp + r; the embedding sits on rank 0, the final norm and head on rank pp - 1.
-    compute: nanotron's rule: the pipeline blocks in order (embedding: cost 0; each block:
-             4·a·d·h + 3·f·h; head: v·h), each stage taking blocks until the running cost
-             exceeds (stage + 1)/pp of the total, so the stage that crosses keeps the block.
-    """
-    if partition == "even":
-        n = pp * chunks
-        base, extra = divmod(shape.layers, n)
-        starts = [s * base + min(s, extra) for s in range(n + 1)]
-        ranks = []
-        for r in range(pp):
-            ids = [i for c in range(chunks) for i in range(starts[c * pp + r], starts[c * pp + r + 1])]
-            ranks.append((tuple(ids), r == 0, r == pp - 1))
-        return tuple(ranks)
+def _split(shape, pp: int, partition: str, chunks: int, first: int, last: int):
+    """Block ids of each virtual stage, by the engine's own rule (parallel/pipeline/partition.py)."""
     block_cost = 4 * shape.heads * shape.head_dim * shape.hidden + 3 * shape.ffn_hidden * shape.hidden
-    costs = [0] + [block_cost] * shape.layers + [shape.vocab * shape.hidden]
-    total = sum(costs)
-    stages = [[[], False, False] for _ in range(pp)]
-    rank, cumulative = 0, 0
-    for i, c in enumerate(costs):
-        cumulative += c
-        rank = min(rank, pp - 1)
-        if i == 0:
-            stages[rank][1] = True
-        elif i == len(costs) - 1:
-            stages[rank][2] = True
-        else:
-            stages[rank][0].append(i - 1)
-        if cumulative > total * (rank + 1) / pp:
-            rank += 1
-    return tuple((tuple(ids), e, h) for ids, e, h in stages)
-
-
-def chunk_layers(shape, pp: int, chunks: int, rank: int) -> list[int]:
-    """Blocks in each of rank's chunks (virtual stages c·pp + rank) under the even split."""
-    base, extra = divmod(shape.layers, pp * chunks)
-    return [base + (1 if c * pp + rank < extra else 0) for c in range(chunks)]
+    try:
+        return split(shape.layers, pp, chunks, first, last, partition, block_cost, shape.vocab * shape.hidden)
+    except PartitionError as e:
+        raise ConfigError(str(e)) from None
 
 
 @functools.lru_cache(maxsize=1024)
-def stage_blocks(shape, pp: int, partition: str = "even", chunks: int = 1) -> tuple[tuple[int, bool, bool], ...]:
+def stage_layer_ids(shape, pp: int, partition: str = "even", chunks: int = 1, first: int = 0, last: int = 0):
+    """(block ids, holds the embedding, holds the head) for each pipeline rank: its chunks' blocks,
+    chunk 0 first, under partition.split (the even split, the first/last stage pinned to `first` /
+    `last` blocks, or nanotron's compute split), the same rule the engine cuts its model with."""
+    stages = _split(shape, pp, partition, chunks, first, last)
+    return tuple((tuple(i for ids in rank_chunks(stages, r, pp, chunks) for i in ids), holds_embedding(r),
+                  holds_head(r, pp)) for r in range(pp))
+
+
+def chunk_layers(shape, pp: int, chunks: int, rank: int, partition: str = "even", first: int = 0,
+                 last: int = 0) -> list[int]:
+    """Blocks in each of rank's chunks (virtual stages c·pp + rank), from the same split as its states."""
+    return [len(ids) for ids in rank_chunks(_split(shape, pp, partition, chunks, first, last), rank, pp, chunks)]
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_blocks(shape, pp: int, partition: str = "even", chunks: int = 1, first: int = 0,
+                 last: int = 0) -> tuple[tuple[int, bool, bool], ...]:
     """(number of blocks, holds the embedding, holds the head) for each pipeline rank."""
-    return tuple((len(ids), e, h) for ids, e, h in stage_layer_ids(shape, pp, partition, chunks))
+    return tuple((len(ids), e, h) for ids, e, h in stage_layer_ids(shape, pp, partition, chunks, first, last))
 
 
 def stage_params(shape, lay, blocks: tuple[int, bool, bool]) -> tuple[float, float]:

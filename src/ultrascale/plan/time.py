@@ -204,7 +204,7 @@ def _collectives(kind, nbytes, n, link, bucket_bytes) -> float:
 def step_time(shape, lay, gpu, fw) -> StepTime:
     prec = get_precision(lay.precision)
     peak = gpu.peak_flops["fp32" if prec.act_bytes == 4 else "bf16"]
-    stages = stage_blocks(shape, lay.pp, fw.partition, lay.chunks)
+    stages = stage_blocks(shape, lay.pp, fw.partition, lay.chunks, lay.first_stage_layers, lay.last_stage_layers)
     per_stage = [_stage_time(shape, lay, gpu, fw, blk, peak) for blk in stages]
     slow = max(range(len(stages)), key=lambda i: sum(per_stage[i].values()))
     t = per_stage[slow]  # the slowest stage sets the pipeline's pace

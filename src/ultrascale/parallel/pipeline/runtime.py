@@ -40,7 +40,7 @@ class PipelineRuntime:
         ranks = ctx.group_ranks["pp"]
         self.prev, self.next = ranks[(self.rank - 1) % self.p], ranks[(self.rank + 1) % self.p]
         self.last_rank = ranks[-1]
-        layers = split_layers(cfg.model.layers, self.p * self.v)
+        layers = split_layers(cfg.model.layers, self.p, self.v, pc.pp_first_stage_layers, pc.pp_last_stage_layers)
         last = self.p * self.v - 1
         self.chunks = [StageChunk(model, layers[s], s == 0, s == last)
                        for s in virtual_stages(self.rank, self.p, self.v)]

@@ -1,8 +1,10 @@
 """Cut the model into pipeline stages, and run one chunk of them.
 
-`split_layers` balances by layer count: L layers over p*v virtual stages, in
-order, the first stages taking one more when it does not divide (the last one
-also carries the final norm, the head and the loss). `keep_stages` is the
+`split_layers` is partition.split, the rule the planner counts with: L layers
+over p*v virtual stages, in order, the first stages taking one more when it does
+not divide, or the first / last stage given fewer (--pp-first-stage-layers,
+--pp-last-stage-layers); the last one also carries the final norm, the head and
+the loss. `keep_stages` is the
 meta-device transform: this rank keeps the layers of its chunks, the embedding
 if it holds the first virtual stage, the norm and head if it holds the last.
 Names do not change (layers live in a ModuleDict keyed by global index), so
@@ -15,24 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def split_layers(n_layers: int, stages: int) -> list[list[int]]:
-    base, extra = divmod(n_layers, stages)
-    out, start = [], 0
-    for s in range(stages):
-        size = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
+from ultrascale.parallel.pipeline.partition import split, virtual_stages  # noqa: F401 (virtual_stages: re-exported)
 
 
-def virtual_stages(rank: int, p: int, v: int) -> list[int]:
-    """Virtual stages held by pipeline rank `rank`: chunk c is stage c*p + rank."""
-    return [c * p + rank for c in range(v)]
+def split_layers(n_layers: int, p: int, v: int = 1, first: int = 0, last: int = 0) -> list[list[int]]:
+    """Block ids of each virtual stage (partition.split's even rule)."""
+    return [list(ids) for ids in split(n_layers, p, v, first, last)]
 
 
-def keep_stages(model, rank: int, p: int, v: int):
-    layers = split_layers(len(model.layers), p * v)
+def keep_stages(model, rank: int, p: int, v: int, first: int = 0, last: int = 0):
+    layers = split_layers(len(model.layers), p, v, first, last)
     mine = virtual_stages(rank, p, v)
     keep = {str(i) for s in mine for i in layers[s]}
     for name in list(model.layers.keys()):
