@@ -90,7 +90,10 @@ def _bf16(cfg):
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype="bf16"))
 
 
-LAYOUTS["ep2, bf16 (against the same micro-batches)"] = (2, _bf16(config(2, 2)))
+# Two steps: experts see other batch shapes under ep, so bf16 rounds their outputs differently
+# and by the third step a near-tied top-k choice can flip, moving the router by ~2e-2 of sum(lr)
+# (measured); over two steps parameters agree to 1.6e-3 and step-1 gradients to 2.4e-3.
+LAYOUTS["ep2, bf16 (against the same micro-batches)"] = (2, _bf16(config(2, 2, steps=2)))
 
 
 @pytest.mark.equivalence
