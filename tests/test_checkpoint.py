@@ -1,18 +1,16 @@
 """Checkpoints that move between layouts: saved in one, resumed in another, the run goes on
 as if never interrupted; and what a resume checks."""
 
-import dataclasses
 import functools
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from ultrascale.config import ParallelConfig, RunConfig, TrainConfig
 from ultrascale.model import get_preset
-from ultrascale.testing.compare import FP32, train_parallel, train_single
+from ultrascale.testing.cli import jsonl_losses, ultrascale
+from ultrascale.testing.compare import FP32, train_on, train_single
 from ultrascale.train import checkpoint
 
 GLOBAL_BATCH, SAVED_AT, STEPS = 12, 2, 4  # 12 sequences: 1, 2, 3 and 4 data-parallel ranks
@@ -29,10 +27,7 @@ def config(world, steps, save="", resume="", **parallel):
 
 
 def run(world, cfg):
-    if world == 1:
-        r = train_single(cfg)
-        return r.losses, r.state
-    got = train_parallel(cfg, world)[0]
+    got = train_on(cfg, world)
     return got.losses, got.state
 
 
@@ -138,10 +133,6 @@ def test_a_partial_save_is_cleaned_and_the_last_good_one_kept(tmp_path):
 TINY = ["--model", "tiny", "--seq-len", "16", "--no-progress"]
 
 
-def ultrascale(*args):
-    return subprocess.run([sys.executable, "-m", "ultrascale", *args], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -157,14 +148,12 @@ def test_resume_alone_continues_the_run_and_the_layout_is_free(saved, tmp_path):
     straight = str(tmp_path / "straight.jsonl")
     r = ultrascale("train", *TINY, "--seed", "3", "--micro-batch", "8", "--steps", "4", "--log-jsonl", straight)
     assert r.returncode == 0, r.stderr
-    import json
-
-    want = [json.loads(line)["loss"] for line in open(straight)][2:]
+    want = jsonl_losses(straight)[2:]
     for layout in ([], ["--nproc", "2", "--tp", "2"], ["--micro-batch", "4"]):
         log = str(tmp_path / f"r{len(layout)}.jsonl")
         r = ultrascale("train", "--resume", saved, "--steps", "4", "--log-jsonl", log, "--no-progress", *layout)
         assert r.returncode == 0, (layout, r.stderr)
-        got = [json.loads(line)["loss"] for line in open(log)]
+        got = jsonl_losses(log)
         assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5, (layout, got, want)
 
 

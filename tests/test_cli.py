@@ -1,23 +1,15 @@
 """The command line as a user meets it: real processes, real exit codes."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from ultrascale.testing.cli import jsonl_losses as losses
+from ultrascale.testing.cli import ultrascale
 
 TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--no-progress"]
 
 
-def ultrascale(*args, cwd=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "ultrascale", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)
-
-
-def losses(path):
-    return [json.loads(line)["loss"] for line in open(path)]
 
 
 def test_train_runs_and_logs(tmp_path):

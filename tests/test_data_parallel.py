@@ -10,10 +10,8 @@ import torch
 from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, validate
 from ultrascale.model import count_params, get_preset
 from ultrascale.testing.compare import (
-    BF16,
     RunRecord,
     assert_matches,
-    check_against_single,
     compare,
     single_process_config,
     train_parallel,

@@ -181,12 +181,9 @@ def ck_config(world, steps, save="", resume="", **parallel):
 
 
 def _run(world, cfg):
-    from ultrascale.testing.compare import train_parallel, train_single
+    from ultrascale.testing.compare import train_on
 
-    if world == 1:
-        r = train_single(cfg)
-        return r.losses, r.state
-    got = train_parallel(cfg, world)[0]
+    got = train_on(cfg, world)
     return got.losses, got.state
 
 

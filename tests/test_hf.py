@@ -9,8 +9,6 @@ import dataclasses
 import json
 import os
 import stat
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -42,6 +40,8 @@ from ultrascale.testing.compare import (  # noqa: E402
     train_single,
 )
 from ultrascale.train.checkpoint import read_full_state  # noqa: E402
+from ultrascale.testing.cli import jsonl_losses as losses  # noqa: E402
+from ultrascale.testing.cli import ultrascale  # noqa: E402
 
 TOL = 1e-5  # max |logits difference|, fp32
 SHAPE = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -75,14 +75,6 @@ def loaded_cleanly(path):
     return model.eval()
 
 
-def ultrascale(*args, cwd=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "ultrascale", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)
-
-
-def losses(path):
-    return [json.loads(line)["loss"] for line in open(path)]
 
 
 # -- names and configs ---------------------------------------------------------------------

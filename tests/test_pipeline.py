@@ -3,9 +3,6 @@ against the single-process run on real gloo processes."""
 
 import functools
 import json
-import os
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
@@ -14,6 +11,7 @@ from ultrascale.config import ConfigError, ParallelConfig, RunConfig, TrainConfi
 from ultrascale.model import get_preset
 from ultrascale.parallel.pipeline.schedules import SCHEDULES, build, schedule
 from ultrascale.parallel.pipeline.simulate import simulate
+from ultrascale.testing.cli import ultrascale
 from ultrascale.testing.compare import RunRecord, assert_matches, compare, train_parallel, train_single
 
 
@@ -191,10 +189,6 @@ def test_layouts_that_cannot_work(parallel, layers, grad_accum, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg, world)
 
-
-def ultrascale(*args):
-    return subprocess.run([sys.executable, "-m", "ultrascale", *args], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def test_pp_schedule_prints_the_bubble_and_draws_it(tmp_path):

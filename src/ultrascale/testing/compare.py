@@ -179,6 +179,13 @@ def train_single(cfg: RunConfig, fault: str | None = None):
         return run_training(cfg, build_context(cfg.parallel, 0, 1), keep_first_grads=True)
 
 
+def train_on(cfg: RunConfig, world_size: int) -> RunRecord:
+    """cfg on world_size processes (rank 0's record), or in this process when world_size is 1."""
+    if world_size == 1:
+        return RunRecord.of(train_single(cfg))
+    return train_parallel(cfg, world_size)[0]
+
+
 def train_parallel(cfg: RunConfig, world_size: int, timeout: float = 300, fault: str | None = None) -> list[RunRecord]:
     """Train `cfg` on world_size pooled gloo processes; a RunRecord per rank. `fault` names a
     deliberate bug from testing/faults.py to run the engine with (for tests of the tests)."""

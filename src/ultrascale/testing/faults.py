@@ -193,28 +193,26 @@ def _expert_norm_per_replica(owner):
         owner.norm_shares = owner.norm_shares[:len(owner.norm_shares) - n] + [1.0] * n
 
 
+# How each fault is patched in: a factory of the patch's context manager.
+_PATCHES = {
+    "grads-scaled-1.01": lambda: _wrap_build_grads(lambda owner: _scale_after_finish(owner, 1.01)),
+    "dp-wrong-group-size": lambda: _wrap_build_grads(_wrong_group_size),
+    "last-bucket-dropped": lambda: _wrap_build_grads(_drop_last_bucket),
+    "micro-batch-counted-twice": _count_first_twice,
+    "sp-norm-grads-not-summed": _sp_norms_not_summed,
+    "expert-grads-averaged-over-edp": lambda: _wrap_build_grads(_expert_edp_average),
+    "all-to-all-backward-dropped": _all_to_all_backward_dropped,
+    "all-gather-backward-dropped": _all_gather_backward_dropped,
+    "expert-norm-counted-per-replica": lambda: _wrap_build_grads(_expert_norm_per_replica),
+}
+
+
 def _patch(name: str):
     if name.startswith("cp-"):
         return _context_parallel(name)
-    if name == "grads-scaled-1.01":
-        return _wrap_build_grads(lambda owner: _scale_after_finish(owner, 1.01))
-    if name == "dp-wrong-group-size":
-        return _wrap_build_grads(_wrong_group_size)
-    if name == "last-bucket-dropped":
-        return _wrap_build_grads(_drop_last_bucket)
-    if name == "micro-batch-counted-twice":
-        return _count_first_twice()
-    if name == "sp-norm-grads-not-summed":
-        return _sp_norms_not_summed()
-    if name == "expert-grads-averaged-over-edp":
-        return _wrap_build_grads(_expert_edp_average)
-    if name == "all-to-all-backward-dropped":
-        return _all_to_all_backward_dropped()
-    if name == "all-gather-backward-dropped":
-        return _all_gather_backward_dropped()
-    if name == "expert-norm-counted-per-replica":
-        return _wrap_build_grads(_expert_norm_per_replica)
-    raise KeyError(f"unknown fault {name!r}: one of {', '.join(FAULTS)}")
+    if name not in _PATCHES:
+        raise KeyError(f"unknown fault {name!r}: one of {', '.join(FAULTS)}")
+    return _PATCHES[name]()
 
 
 @contextlib.contextmanager

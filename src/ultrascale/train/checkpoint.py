@@ -225,6 +225,8 @@ def check_shared(path: str, ctx) -> None:
     ctx.barrier()
     missing = torch.tensor([0 if os.path.isdir(tmp) else 1])
     dist.all_reduce(missing)
+    if ctx.rank == 0:
+        os.rmdir(tmp)  # only the probe: every rank has looked (the all-reduce waited for all)
     if missing.item():
         raise ConfigError(f"--save {path}: {missing.item()} of {ctx.world_size} ranks cannot see the directory "
                           f"rank 0 created: checkpoints need a filesystem shared by every node")
