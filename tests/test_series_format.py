@@ -7,6 +7,7 @@ made from a good episode (tests/data/tiny_episode.json) by breaking one rule at 
 import copy
 import dataclasses
 import json
+import re
 import os
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def test_schema_mirrors_the_dataclasses():
 
 
 def test_build_is_a_valid_deterministic_notebook_with_hidden_solutions(tiny):
+    tiny["exercises"][0]["hints"] = ["Which function of math sums floats exactly?", "Divide by the count."]
     ep = Episode.from_dict(tiny)
     nb = build_notebook(ep)
     nbformat.validate(nb)
@@ -91,10 +93,20 @@ def test_build_is_a_valid_deterministic_notebook_with_hidden_solutions(tiny):
     assert len(set(ids)) == len(ids)
     assert notebook_text(build_notebook(ep)) == notebook_text(nb)  # same episode, same file
     assert nb.cells[0].source.startswith("# Ultra-Scale Playbook: Part 6 - Averages")
-    sources = "\n".join(c.source for c in nb.cells)
-    for ex in tiny["exercises"]:
+    assert "colab.research.google.com/github/" in nb.cells[0].source
+    assert "/notebooks/6_averages.ipynb" in nb.cells[0].source
+    # What is in plain sight: every cell, with each collapsed <details> block removed.
+    visible = "\n".join(re.sub(r"<details>.*?</details>", "", c.source, flags=re.S) for c in nb.cells)
+    for k, ex in enumerate(tiny["exercises"], 1):
         solution_line = ex["solution"].splitlines()[1].strip()  # the line the learner has to write
-        assert solution_line not in sources
+        assert solution_line not in visible
+        hints = next(c for c in nb.cells if c.metadata["ultrascale"].get("role") == "hints"
+                     and c.metadata["ultrascale"]["exercise"] == k).source
+        blocks = re.findall(r"<summary>(.*?)</summary>(.*?)</details>", hints, flags=re.S)
+        # Hints one click at a time, in order, then the solution behind the last click.
+        assert [b[0] for b in blocks] == [f"Hint {i}" for i in range(1, len(ex.get("hints", [])) + 1)] + \
+            ["Reveal the solution"]
+        assert solution_line in blocks[-1][1]
         starters = [c for c in nb.cells if c.metadata["ultrascale"].get("role") == "starter"]
         assert any(c.metadata["ultrascale"]["solution"] == ex["solution"] for c in starters)
     checks = [c for c in nb.cells if c.metadata["ultrascale"].get("role") == "check"]

@@ -11,6 +11,12 @@ of an exercise lives in its starter cell's metadata (`ultrascale.solution`):
 notebook front-ends do not show cell metadata, and the cell itself only ever
 holds the starter.
 
+Each exercise ends with a collapsed cell of progressive hints and the reference
+solution, revealed one click at a time. A cell that needs a GPU is wrapped in
+`if torch.cuda.is_available():` so "Run All" goes through on a CPU in any Jupyter;
+the title carries an "Open in Colab" badge and the first code cell installs the
+project where it is missing (Colab, a fresh environment).
+
 The check cell defines `check_exercise_<k>()` from the episode's check
 statements and calls it in a try block that prints what is wrong; it never
 raises, so a fresh notebook runs top to bottom. execute.py calls the same
@@ -26,7 +32,12 @@ from nbformat import v4
 
 from ultrascale.series.episode import Episode
 
-GPU_TAG = "needs-gpu"
+GPU_TAG = "needs-gpu"  # notebooks built before the guard; the runner still skips such cells on CPU
+# Where the notebooks are published: the Colab badge and the install cell point here.
+REPOSITORY = "ultrascale-playbook/ultrascale"
+BRANCH = "main"
+GPU_GUARD = "if torch.cuda.is_available():  # this cell needs a GPU; on a CPU it says so and moves on"
+GPU_ELSE = ('else:\n    print("Skipped: this cell needs a GPU (on Colab: Runtime > Change runtime type > GPU).")')
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 LETTERS = "ABCDEFGH"
 
@@ -57,6 +68,49 @@ def check_cell_source(k: int, check: str) -> str:
     )
 
 
+def colab_badge(filename: str) -> str:
+    url = f"https://colab.research.google.com/github/{REPOSITORY}/blob/{BRANCH}/notebooks/{filename}"
+    return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
+
+
+def setup_source() -> str:
+    return (
+        "# Setup: the project this course runs on. Installed here only where it is missing (Colab, a fresh\n"
+        "# environment); a local checkout installed with `pip install -e .` is used as it is.\n"
+        "import importlib.util\n"
+        "import subprocess\n"
+        "import sys\n"
+        "\n"
+        "if importlib.util.find_spec(\"ultrascale\") is None:\n"
+        f"    subprocess.check_call([sys.executable, \"-m\", \"pip\", \"install\", \"-q\",\n"
+        f"                           \"ultrascale[series] @ git+https://github.com/{REPOSITORY}@{BRANCH}\"])\n"
+        "import ultrascale\n"
+        "\n"
+        "print(\"ultrascale\", ultrascale.__version__)\n"
+    )
+
+
+def guard_gpu(source: str) -> str:
+    """A GPU-only cell as code that runs anywhere: the body under a CUDA check."""
+    return f"import torch\n\n{GPU_GUARD}\n{textwrap.indent(source, '    ')}\n{GPU_ELSE}"
+
+
+def unguard_gpu(source: str) -> str:
+    """The inverse of guard_gpu."""
+    head = f"import torch\n\n{GPU_GUARD}\n"
+    body = source[len(head):-len(GPU_ELSE)].rstrip("\n")
+    return "\n".join(line[4:] if line.startswith("    ") else line for line in body.split("\n"))
+
+
+def hints_source(k: int, ex) -> str:
+    """Progressive hints, then the solution, each behind its own click."""
+    parts = [f"**Stuck on Exercise {k}?** Open one hint at a time; the solution is last."]
+    for i, h in enumerate(ex.hints, 1):
+        parts.append(f"<details>\n<summary>Hint {i}</summary>\n\n{h}\n\n</details>")
+    parts.append(f"<details>\n<summary>Reveal the solution</summary>\n\n```python\n{ex.solution}\n```\n\n</details>")
+    return "\n\n".join(parts)
+
+
 def question_source(i: int, q) -> str:
     options = "\n".join(f"- {LETTERS[j]}) {o}" for j, o in enumerate(q.options))
     letter = LETTERS[q.answer] if 0 <= q.answer < len(q.options) else "?"
@@ -84,13 +138,14 @@ def build_notebook(ep: Episode) -> nbformat.NotebookNode:
     """The notebook for `ep`, valid nbformat 4.5, without outputs."""
     cells = []
     title = f"# {ep.heading}" + (f"\n\n*{ep.subtitle}*" if ep.subtitle else "")
-    cells.append(_md(title, "title", role="title"))
+    cells.append(_md(f"{title}\n\n{colab_badge(ep.filename)}", "title", role="title"))
     cells.append(_md("## Overview\n\n" + "\n".join(f"- {b}" for b in ep.overview), "overview", role="overview"))
     if ep.references:
         refs = "\n".join(f"- Part {r.episode}: {r.note}" if r.note else f"- Part {r.episode}"
                          for r in ep.references)
         cells.append(_md(f"**Builds on earlier episodes**\n\n{refs}", "references", role="references",
                          episodes=[r.episode for r in ep.references]))
+    cells.append(_code(setup_source(), "setup", role="setup"))
     for i, sec in enumerate(ep.sections, 1):
         head = f"## {sec.heading}"
         body = list(sec.cells)
@@ -105,13 +160,20 @@ def build_notebook(ep: Episode) -> nbformat.NotebookNode:
             if c.kind == "markdown":
                 cells.append(_md(c.source, cid, role="section", section=i))
             else:
-                cells.append(_code(c.source, cid, tags=[GPU_TAG] if c.needs_gpu else (), role="section", section=i))
+                if c.needs_gpu:
+                    cells.append(_code(guard_gpu(c.source), cid, role="section", section=i, gpu=True))
+                else:
+                    cells.append(_code(c.source, cid, role="section", section=i))
     for k, ex in enumerate(ep.exercises, 1):
         cells.append(_md(f"## Exercise {k}: {ex.title}\n\n{ex.instructions.strip()}", f"ex{k}", role="exercise",
                          exercise=k))
-        cells.append(_code(ex.starter, f"ex{k}-starter", role="starter", exercise=k, solution=ex.solution))
+        # The starter is kept in metadata too: once a learner has filled the cell in, the
+        # runner can still prove that the check fails on the starter.
+        cells.append(_code(ex.starter, f"ex{k}-starter", role="starter", exercise=k, solution=ex.solution,
+                           starter=ex.starter))
         cells.append(_code(check_cell_source(k, ex.check), f"ex{k}-check", role="check", exercise=k,
                            check=ex.check))
+        cells.append(_md(hints_source(k, ex), f"ex{k}-hints", role="hints", exercise=k, hints=list(ex.hints)))
     cells.append(_md("## Quiz\n\nPick an answer for each question, then open *Answer* to see if you were right.",
                      "quiz", role="quiz"))
     for i, q in enumerate(ep.quiz, 1):
@@ -127,6 +189,19 @@ def build_notebook(ep: Episode) -> nbformat.NotebookNode:
     nb = v4.new_notebook(cells=cells, metadata=meta)
     nb.nbformat, nb.nbformat_minor = 4, 5
     return nb
+
+
+def solved(nb) -> nbformat.NotebookNode:
+    """The instructor's version: every starter cell holds its reference solution."""
+    import copy
+
+    out = nbformat.from_dict(copy.deepcopy(dict(nb)))
+    for cell in out.cells:
+        meta = cell.get("metadata", {}).get("ultrascale", {})
+        if meta.get("role") == "starter" and isinstance(meta.get("solution"), str) and meta["solution"].strip():
+            cell.source = meta["solution"]
+    out.metadata.setdefault("ultrascale", {})["solved"] = True
+    return out
 
 
 def notebook_text(nb) -> str:

@@ -35,6 +35,19 @@ def add_parser(sub) -> None:
                    help="do not prove the exercise checks against starter and solution")
     r.set_defaults(func=cmd_run)
 
+    gr = nsub.add_parser("grade", help="run a learner's completed notebook and say, per exercise, passed or what is wrong")
+    gr.add_argument("files", nargs="+", metavar="FILE")
+    gr.add_argument("--timeout", type=float, default=300, help="seconds one cell may run (default 300)")
+    gr.add_argument("--json", action="store_true", help="print the grades as JSON")
+    gr.set_defaults(func=cmd_grade)
+
+    b = nsub.add_parser("build", help="write a variant of a notebook: --solved puts the reference solutions in place")
+    b.add_argument("file", metavar="FILE")
+    b.add_argument("--solved", action="store_true", required=True,
+                   help="the instructor's version: each exercise's code cell holds its reference solution")
+    b.add_argument("-o", "--output", required=True, metavar="OUT.ipynb", help="where to write it")
+    b.set_defaults(func=cmd_build)
+
     gen = nsub.add_parser("generate", help="turn an episode's transcript into a notebook through an LLM")
     _source_args(gen)
     gen.add_argument("--model", default=os.environ.get("OPENAI_MODEL", "gpt-4o-mini"),
@@ -125,6 +138,49 @@ def cmd_run(args) -> int:
         print(f"{f}: {verdict}, {len(report.executed)} code cells in {report.seconds:.1f} s")
         status |= 0 if report.ok else 1
     return status
+
+
+def cmd_grade(args) -> int:
+    from ultrascale.series.execute import grade_notebook
+
+    _existing(args.files)
+    status, everything = 0, {}
+    for f in args.files:
+        nb = _read_notebook(f)
+        report, grades = grade_notebook(nb, timeout=args.timeout, cwd=os.path.dirname(os.path.abspath(f)))
+        if not grades:
+            raise ConfigError(f"{f} has no exercises to grade (is it a notebook of the series?)")
+        everything[f] = {"grades": [g.__dict__ for g in grades], "errors": [e.line() for e in report.errors]}
+        passed = sum(g.status == "passed" for g in grades)
+        status |= 0 if passed == len(grades) else 1
+        if args.json:
+            continue
+        for e in report.errors:
+            print(f"{f}: {e.line()}")
+        for g in grades:
+            print(f"{f}: {g.line()}")
+        print(f"{f}: {passed}/{len(grades)} exercises passed in {report.seconds:.1f} s")
+    if args.json:
+        print(json.dumps(everything, indent=1))
+    return status
+
+
+def cmd_build(args) -> int:
+    from ultrascale.series.build import notebook_text, solved
+    from ultrascale.series.files import check_writable, write_atomic
+
+    _existing([args.file])
+    if os.path.isdir(args.output):
+        raise ConfigError(f"-o {args.output} is a directory; give the notebook's file name")
+    check_writable(os.path.dirname(os.path.abspath(args.output)), flag="-o")
+    nb = _read_notebook(args.file)
+    out = solved(nb)
+    n = sum(1 for c in out.cells if c.get("metadata", {}).get("ultrascale", {}).get("role") == "starter")
+    if n == 0:
+        raise ConfigError(f"{args.file} has no exercise with a reference solution in its metadata")
+    write_atomic(args.output, notebook_text(out))
+    print(f"wrote {args.output} ({n} exercises solved)")
+    return 0
 
 
 def _read_notebook(path: str):

@@ -54,6 +54,9 @@ class Exercise:
               hold, with a message saying what is wrong; they become the body
               of `check_exercise_<k>()`, and raising NotImplementedError means
               "not done yet"
+    hints     progressive hints, each one revealed on demand (collapsed in the
+              notebook), from a nudge to nearly the answer; the solution itself
+              can be revealed after them
     """
 
     title: str
@@ -61,11 +64,13 @@ class Exercise:
     starter: str
     solution: str
     check: str
+    hints: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         # Blank lines at the edges are not content: the notebook drops them, so the structure does too.
         for name in ("instructions", "starter", "solution", "check"):
             setattr(self, name, _edges(getattr(self, name)))
+        self.hints = [_edges(h) for h in self.hints]
 
 
 @dataclass
@@ -237,8 +242,11 @@ def _episode(data) -> Episode:
     exercises = []
     for i, e in enumerate(_need(data, "exercises", "", list)):
         p = f"exercises[{i}]"
+        hints = _need(e, "hints", p, list, default=[])
+        if not all(isinstance(h, str) for h in hints):
+            raise EpisodeError(f"{p}.hints must be a list of strings (one per hint)")
         exercises.append(Exercise(*(_text(_need(e, k, p), f"{p}.{k}") for k in
-                                    ("title", "instructions", "starter", "solution", "check"))))
+                                    ("title", "instructions", "starter", "solution", "check")), hints=hints))
     quiz = []
     for i, q in enumerate(_need(data, "quiz", "", list)):
         p = f"quiz[{i}]"

@@ -9,6 +9,11 @@ One kernel per notebook (kernels are slow to start):
    direct call of `check_exercise_<k>()`, which must raise (a check that passes
    on the starter checks nothing); then the hidden solution and the same call,
    which must return. This is how a generated exercise is known to be sound.
+   The starter used is the one the notebook was built with (kept in the cell's
+   metadata), so a notebook a learner has completed still proves its checks.
+
+`grade_notebook` is the learner's side: run the notebook as it is, keep going past
+a failing cell, then call each exercise's check on what the learner wrote.
 
 The kernel is this interpreter (`sys.executable`), whatever kernelspec named
 "python3" a user's Jupyter setup has: the notebook runs against the torch and
@@ -69,6 +74,8 @@ class RunReport:
     failure: CellError | None = None
     exercises: list[ExerciseResult] = field(default_factory=list)
     outputs: dict = field(default_factory=dict)  # cell index -> text the cell printed
+    errors: list[CellError] = field(default_factory=list)  # every failing cell, when asked to keep going
+    grades: list = field(default_factory=list)  # Grade per exercise, when grading
 
     @property
     def ok(self) -> bool:
@@ -102,8 +109,38 @@ def _text(cell) -> str:
     return "".join(parts)
 
 
+@dataclass
+class Grade:
+    number: int
+    title: str
+    status: str  # "passed" | "not done yet" | "wrong" | "error"
+    message: str = ""
+
+    def line(self) -> str:
+        what = f"exercise {self.number} ({self.title}): {self.status}"
+        return f"{what}: {self.message}" if self.message else what
+
+
+def grade_notebook(nb, timeout: float = 120, cwd: str | None = None) -> tuple[RunReport, list[Grade]]:
+    """Run a learner's notebook as it is and grade each exercise by its check."""
+    report = run_notebook(nb, timeout=timeout, cwd=cwd, exercises=False, keep_going=True, grade=True)
+    return report, report.grades
+
+
+def _grade(number: int, title: str, raised: str | None) -> Grade:
+    if raised is None:
+        return Grade(number, title, "passed")
+    if raised.startswith("NotImplementedError"):
+        return Grade(number, title, "not done yet", "fill in the TODO in the exercise's code cell")
+    if raised.startswith("AssertionError"):
+        return Grade(number, title, "wrong", raised[len("AssertionError"):].lstrip(": ") or "the check failed")
+    if raised.startswith("NameError") and "check_exercise_" in raised:
+        return Grade(number, title, "error", "the check cell did not run (a cell above it failed)")
+    return Grade(number, title, "error", f"your code raised {raised}")
+
+
 def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | None = None,
-                 exercises: bool = True) -> RunReport:
+                 exercises: bool = True, keep_going: bool = False, grade: bool = False) -> RunReport:
     """Execute `nb` (not modified) and report; `gpu=None` asks the kernel whether CUDA is there."""
     import nbformat
     from nbclient import NotebookClient
@@ -148,7 +185,10 @@ def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | N
                 try:
                     client.execute_cell(cell, i)
                 except CellExecutionError as e:
-                    report.failure = CellError(i, e.ename, _first_line(e.evalue))
+                    report.errors.append(CellError(i, e.ename, _first_line(e.evalue)))
+                    report.failure = report.failure or report.errors[-1]
+                    if keep_going:
+                        continue
                     break
                 except CellTimeoutError:
                     report.failure = CellError(i, "Timeout", f"the cell ran longer than {timeout:g} s")
@@ -161,13 +201,19 @@ def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | N
                     if e.starter is None or e.check is None or not e.solution:
                         continue
                     fn = check_function(e.number)
-                    run(work.cells[e.starter].source)
+                    run(e.starter_source if e.starter_source is not None else work.cells[e.starter].source)
                     on_starter = run(f"{fn}()")
                     sol = run(e.solution)
                     on_solution = f"the solution cell raised {sol}" if sol else run(f"{fn}()")
                     report.exercises.append(ExerciseResult(e.number, _first_line(on_starter) if on_starter else None,
                                                            _first_line(on_solution) if on_solution else None,
                                                            e.starter))
+            if grade:
+                for e in o.exercises:
+                    if e.check is None:
+                        continue
+                    raised = run(f"{check_function(e.number)}()")
+                    report.grades.append(_grade(e.number, e.title, _first_line(raised) if raised else None))
     except DeadKernelError as e:
         stderr.seek(0)
         tail = stderr.read().decode(errors="replace").strip().splitlines()[-1:] or [str(e)]

@@ -76,6 +76,10 @@ def write_atomic(path: str, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        # mkstemp creates 0600; a notebook is an ordinary file, readable as every other one (0644 under umask 022).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

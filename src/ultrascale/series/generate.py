@@ -120,6 +120,9 @@ def keep(a: Attempt, out: str, number: int, force: bool) -> tuple[str, bool]:
         return path, True
     slug = a.episode.slug if a.episode else _existing_slug(out, number)
     path = os.path.join(out, rejected_name(f"{number}_{slug}.ipynb"))
+    # The saved file starts with the note below, so every cell moves down by one: the
+    # reasons (printed and saved) count cells as in the saved file.
+    a.problems = [_renumbered(p) for p in a.problems]
     reasons = "\n".join(f"- {p}" for p in a.problems)
     head = nbformat.v4.new_markdown_cell(f"**Rejected by `ultrascale notebook`**: this attempt breaks the series' "
                                          f"format or does not run.\n\n{reasons}", id="rejected")
@@ -133,6 +136,12 @@ def keep(a: Attempt, out: str, number: int, force: bool) -> tuple[str, bool]:
     nb.metadata.setdefault("ultrascale", {})["rejected"] = list(a.problems)
     write_atomic(path, notebook_text(nb))
     return path, False
+
+
+def _renumbered(problem: str) -> str:
+    import re
+
+    return re.sub(r"\bcell (\d+)\b", lambda m: f"cell {int(m.group(1)) + 1}", problem)
 
 
 def _existing_slug(out: str, number: int) -> str:

@@ -20,6 +20,7 @@ import re
 import textwrap
 from dataclasses import dataclass, field
 
+from ultrascale.series.build import unguard_gpu
 from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Reference, Section, slugify
 from ultrascale.series.quiz import QuestionOutline, read_quiz
 
@@ -49,6 +50,8 @@ class ExerciseOutline:
     solution: str | None = None  # the hidden reference solution, if the notebook has one
     check_body: str | None = None
     code_cells: list[int] = field(default_factory=list)
+    hints: list[str] = field(default_factory=list)
+    starter_source: str | None = None  # the starter as built, even after a learner filled the cell in
 
 
 @dataclass
@@ -157,7 +160,8 @@ def outline(nb) -> Outline:
     return o
 
 
-_ROLES = {"title", "overview", "references", "section", "exercise", "starter", "check", "quiz", "question"}
+_ROLES = {"title", "overview", "references", "setup", "section", "exercise", "starter", "check", "hints", "quiz",
+          "question"}
 
 
 class _Walk:
@@ -201,10 +205,17 @@ class _Walk:
                 ex.starter = b.cell
                 if isinstance(role.get("solution"), str):
                     ex.solution = role["solution"]
+                if isinstance(role.get("starter"), str):
+                    ex.starter_source = role["starter"]
             else:
                 ex.check = b.cell
                 body = _check_body(b.text, ex.number)
                 ex.check_body = body if body is not None else role.get("check")
+        elif r == "hints":
+            k = role.get("exercise")
+            ex = next((e for e in o.exercises if e.number == k), self.ex)
+            if ex is not None and isinstance(role.get("hints"), list):
+                ex.hints = [str(h) for h in role["hints"]]
         elif r == "quiz":
             if first_of_cell:
                 o.quiz_cell = b.cell
@@ -317,12 +328,18 @@ def read_episode(nb, filename: str | None = None) -> Episode:
                     cells.append(Cell("markdown", text))
             elif b.kind == "code":
                 tags = o.cells[b.cell].get("metadata", {}).get("tags", [])
-                cells.append(Cell("code", b.text, "needs-gpu" in tags))
+                if _role(o.cells[b.cell]).get("gpu"):
+                    cells.append(Cell("code", unguard_gpu(b.text), True))
+                else:
+                    cells.append(Cell("code", b.text, "needs-gpu" in tags))
         sections.append(Section(heading, cells))
     exercises = []
     for e in o.exercises:
         starter = _source(o.cells[e.starter]) if e.starter is not None else ""
-        exercises.append(Exercise(e.title, e.instructions, starter, e.solution or "", e.check_body or ""))
+        if e.starter_source is not None:
+            starter = e.starter_source
+        exercises.append(Exercise(e.title, e.instructions, starter, e.solution or "", e.check_body or "",
+                                  hints=list(e.hints)))
     quiz = [QuizQuestion(q.question, q.options, q.answer if q.answer is not None else -1, q.why)
             for q in o.questions]
     return Episode(number=number, title=o.title, overview=o.overview, sections=sections, exercises=exercises,

@@ -41,7 +41,9 @@ EXERCISE = _obj({
     "check": {"type": "string", "description": "Python statements (a function body) that call the learner's "
                                                "code and assert what must hold, each assert with a message "
                                                "saying what is wrong and how to fix it"},
-})
+    "hints": {"type": "array", "items": _STR, "minItems": 2, "maxItems": 3,
+              "description": "progressive hints, each revealed on demand: a nudge first, nearly the answer last"},
+}, optional=("hints",))
 
 QUESTION = _obj({
     "question": _STR,

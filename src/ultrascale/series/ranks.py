@@ -1,0 +1,165 @@
+"""Run a notebook's functions on real ranks: N gloo processes, from a notebook cell.
+
+A learner writes an ordinary function in a cell (`def data_parallel_grads(...)`) and
+the notebook runs it on 2 or 4 processes joined in one gloo process group, the way
+torchrun would run it on 2 or 4 GPUs, so every `dist.all_reduce` really crosses
+processes and a sum that should have been an average is visible.
+
+Processes are started with `spawn` (the only start method that is safe with torch
+threads, and the only one on macOS), so a new process cannot see the functions a
+notebook defined: `__main__` of a kernel is not importable. Functions defined in the
+notebook therefore travel as source: `inspect.getsource` (IPython keeps every cell's
+text) plus what they use from the notebook's globals, found in their code objects:
+modules are imported again by name, other notebook functions and classes travel as
+source too, and plain values (numbers, tensors) are pickled. Functions of installed
+packages travel by reference, as pickle always does.
+
+The processes are the project's worker pool (ultrascale.testing.harness): started on
+the first call, reused by later ones, killed with the kernel. A learner's exception on
+a rank comes back as the same exception type in the notebook, so a check can tell
+"not done yet" (NotImplementedError) from "wrong" (AssertionError) from a crash.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dis
+import inspect
+import pickle
+import sys
+import textwrap
+import traceback
+import types
+
+DEFAULT_TIMEOUT = 90.0  # seconds; a collective that not every rank joins would otherwise hang the kernel
+
+
+class RankError(RuntimeError):
+    """The function failed on a rank, with something other than NotImplementedError or AssertionError."""
+
+
+def on_ranks(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+    """fn(*args, **kwargs) on `world` processes of one gloo group; each rank's return value, by rank.
+
+    Inside fn, `torch.distributed` is initialised: `dist.get_rank()`, `dist.all_reduce(...)`
+    and the rest work as under torchrun. Functions among fn, args and kwargs that the
+    notebook defined are sent as source; the rest must pickle.
+    """
+    from ultrascale.testing.harness import DistributedError, run_distributed
+
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive number of ranks, got {world!r}")
+    payload = pickle.dumps((_pack(fn), [_pack(a) for a in args], {k: _pack(v) for k, v in kwargs.items()}))
+    try:
+        results = run_distributed(world, _call_on_rank, payload, timeout=timeout)
+    except DistributedError as e:
+        raise RankError(f"{_name(fn)} did not finish on {world} ranks within {timeout:.0f} s: is there a "
+                        f"collective that not every rank calls, or a send without its recv?\n{e}") from None
+    failures = [(r, res) for r, res in enumerate(results) if res[0] != "ok"]
+    if failures:
+        rank, (_, kind, message, tb) = failures[0]
+        where = f" (rank {rank} of {world})"
+        if kind == "NotImplementedError":
+            raise NotImplementedError(message or "not done yet")
+        if kind == "AssertionError":
+            raise AssertionError(f"{message}{where}")
+        raise RankError(f"{kind}: {message}{where}\n{tb}")
+    return [res[1] for res in results]
+
+
+# ---- what travels -------------------------------------------------------------------------------
+
+_SOURCE = "__ultrascale_source__"
+
+
+def _from_notebook(obj) -> bool:
+    """Defined in the notebook (or a script's __main__): not importable by another process."""
+    return isinstance(obj, (types.FunctionType, type)) and getattr(obj, "__module__", None) == "__main__"
+
+
+def _pack(obj):
+    if _from_notebook(obj):
+        return (_SOURCE, _bundle(obj))
+    return obj
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _names_used(code) -> set:
+    """Global names the code reads (not attribute names, which share co_names)."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_used(const)
+    return names
+
+
+def _bundle(obj, seen=None) -> dict:
+    """Everything needed to define `obj` again in a fresh process, dependencies first."""
+    seen = seen if seen is not None else set()
+    name = obj.__name__
+    try:
+        source = textwrap.dedent(inspect.getsource(obj))
+    except (OSError, TypeError) as e:
+        raise ValueError(f"cannot send {name} to other processes: its source is not available ({e}); "
+                         f"define it with `def` in a notebook cell") from None
+    if isinstance(obj, types.LambdaType) and name == "<lambda>":
+        raise ValueError("cannot send a lambda to other processes: define the function with `def`")
+    bundle = {"name": name, "source": source, "imports": {}, "values": {}, "deps": []}
+    seen.add(name)
+    namespace = getattr(obj, "__globals__", None) or vars(sys.modules.get(obj.__module__, builtins))
+    if isinstance(obj, type):  # a class: the names its methods use
+        codes = [m.__code__ for m in vars(obj).values() if isinstance(m, types.FunctionType)]
+    else:
+        codes = [obj.__code__]
+    used = set().union(*(_names_used(c) for c in codes)) if codes else set()
+    for n in sorted(used):
+        if n in seen or n not in namespace or hasattr(builtins, n):
+            continue
+        value = namespace[n]
+        if isinstance(value, types.ModuleType):
+            bundle["imports"][n] = value.__name__
+        elif _from_notebook(value):
+            bundle["deps"].append(_bundle(value, seen))
+        else:
+            try:
+                bundle["values"][n] = pickle.dumps(value)
+            except Exception as e:  # noqa: BLE001 - say which name, whatever pickle raised
+                raise ValueError(f"{name} uses {n!r}, which cannot be sent to other processes "
+                                 f"({type(e).__name__}); pass it as an argument or build it inside "
+                                 f"the function") from None
+    return bundle
+
+
+def _define(bundle: dict, namespace: dict):
+    import importlib
+
+    for dep in bundle["deps"]:
+        _define(dep, namespace)
+    for alias, module in bundle["imports"].items():
+        namespace[alias] = importlib.import_module(module)
+    for n, blob in bundle["values"].items():
+        namespace[n] = pickle.loads(blob)
+    exec(compile(bundle["source"], f"<notebook: {bundle['name']}>", "exec"), namespace)
+    return namespace[bundle["name"]]
+
+
+def _unpack(obj, namespace):
+    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == _SOURCE:
+        return _define(obj[1], namespace)
+    return obj
+
+
+def _call_on_rank(payload: bytes):
+    """On each rank: define the notebook's functions, call, and report the outcome as data."""
+    namespace = {"__name__": "__notebook__"}
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        fn = _unpack(fn, namespace)
+        args = [_unpack(a, namespace) for a in args]
+        kwargs = {k: _unpack(v, namespace) for k, v in kwargs.items()}
+        return ("ok", fn(*args, **kwargs))
+    except Exception as e:  # noqa: BLE001 - the notebook decides what each kind means
+        return ("failed", type(e).__name__, str(e), traceback.format_exc(limit=-4))
