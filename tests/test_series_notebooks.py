@@ -50,21 +50,30 @@ def _probe(k, label):
             f"    print({label!r}, 'SAYS', problem)\nelse:\n    print({label!r}, 'PASSED')\n")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Each notebook run once, with the mistakes appended: {path: (notebook, report, {label: output})}."""
-    out = {}
-    for path in NOTEBOOK_FILES:
+class _Runs(dict):
+    """Each notebook run once, on first use, with its mistakes appended: path -> (notebook, report,
+    {label: what the check said}). Lazy, so `-k 1_scaling` runs one notebook only."""
+
+    def __init__(self, tmp):
+        super().__init__()
+        self.tmp = tmp
+
+    def __missing__(self, path):
         mistakes = cases(path)["MISTAKES"]
         nb = nbformat.read(path, as_version=4)
         extended = nbformat.from_dict(json.loads(json.dumps(nb)))
         first = len(extended.cells)
         for k, label, _, source in mistakes:
             extended.cells.append(nbformat.v4.new_code_cell(textwrap.dedent(source).strip() + "\n" + _probe(k, label)))
-        report = run_notebook(extended, timeout=300, cwd=str(tmp_path_factory.mktemp("run")))
+        report = run_notebook(extended, timeout=300, cwd=str(self.tmp.mktemp("run")))
         said = {label: report.outputs.get(first + i, "") for i, (_, label, _, _) in enumerate(mistakes)}
-        out[path] = (nb, report, said)
-    return out
+        self[path] = (nb, report, said)
+        return self[path]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _Runs(tmp_path_factory)
 
 
 def load_source(path):

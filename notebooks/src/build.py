@@ -1,6 +1,7 @@
 """Build the course notebooks from their sources in this folder.
 
     python notebooks/src/build.py            # build, lint, run, then write notebooks/N_topic.ipynb
+    python notebooks/src/build.py 1 6        # only Parts 1 and 6
     python notebooks/src/build.py --check    # only say whether the notebooks match their sources
 
 Each source N_topic.py defines EPISODE (an ultrascale.series Episode). A notebook is
@@ -40,9 +41,12 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare only; exit 1 if a notebook is out of date")
+    ap.add_argument("parts", nargs="*", type=int, help="part numbers to build (default: all)")
     args = ap.parse_args(argv)
     status = 0
     for src in sources():
+        if args.parts and int(os.path.basename(src).split("_")[0]) not in args.parts:
+            continue
         ep = load_episode(src)
         target = os.path.join(NOTEBOOKS, ep.filename)
         if args.check:
