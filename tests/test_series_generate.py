@@ -355,3 +355,71 @@ def test_json_is_found_in_what_models_write():
     for text in ("", "no json here", '{"a": 1,'):
         with pytest.raises(EpisodeError):
             extract_json(text)
+
+
+DDP_SETUP = '''import torch
+import torch.nn as nn
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+if not dist.is_initialized():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.ones(8, 1)'''
+
+DDP_CHECK = '''torch.manual_seed(0)
+single = nn.Linear(4, 1)
+nn.functional.mse_loss(single(x), y).backward()
+got = ddp_grads(x, y)
+for g, p in zip(got, single.parameters()):
+    ratio = (g.norm() / p.grad.norm()).item()
+    assert torch.allclose(g, p.grad, atol=1e-6), f"DDP gradients are {ratio:.2f}x one model's: average, do not sum"'''
+
+
+def ddp_episode(solution_body):
+    ep = tiny()
+    ep["sections"][0]["cells"].append({"kind": "code", "source": DDP_SETUP})
+    ep["exercises"][0] = {
+        "title": "DDP gradients",
+        "instructions": "Write `ddp_grads(x, y)`: the gradients of a DDP-wrapped `nn.Linear(4, 1)` (seed 0).",
+        "starter": "def ddp_grads(x, y):\n    # TODO: wrap the model in DDP, run forward and backward\n"
+                   "    raise NotImplementedError",
+        "solution": "def ddp_grads(x, y):\n    torch.manual_seed(0)\n    model = DDP(nn.Linear(4, 1))\n"
+                    + solution_body
+                    + "    nn.functional.mse_loss(model(x), y).backward()\n"
+                      "    return [p.grad.clone() for p in model.parameters()]",
+        "check": DDP_CHECK,
+    }
+    return ep
+
+
+def test_a_sum_hook_on_top_of_ddp_is_caught_on_two_ranks(work, cli):
+    # The seed's error: an all-reduce (SUM) hook on every parameter, on top of DDP, which already
+    # averages. On a group of one the sum is the value itself, so the first run passes; as 2 ranks the
+    # gradients come out 2x, and the notebook's own check says so.
+    hooked = ddp_episode("    for p in model.parameters():\n"
+                         "        p.register_hook(lambda g: (dist.all_reduce(g), g)[1])\n")
+    r = cli("notebook", "import", "-", "--out", "out", stdin=json.dumps(hooked))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "exercise 1: the reference solution fails its check on 2 ranks" in r.stdout, r.stdout
+    assert "DDP gradients are 2.00x one model's: average, do not sum" in r.stdout, r.stdout
+    assert "fails its own check" not in r.stdout  # on one process it passed: only the 2-rank run sees it
+    plain = ddp_episode("")
+    r = cli("notebook", "import", "-", "--out", "out", "--force", stdin=json.dumps(plain))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert files(work / "out") == ["6_averages.ipynb"]
+
+
+def test_saved_notebooks_are_readable_by_others_and_reasons_count_cells_as_saved(work, cli):
+    r = cli("notebook", "import", "-", "--out", "out", stdin=json.dumps(tiny()))
+    assert r.returncode == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    assert os.stat(work / "out" / "6_averages.ipynb").st_mode & 0o777 == 0o666 & ~mask
+    bad = tiny()
+    bad["sections"][0]["cells"][1]["source"] += "\nprint(values[4])"
+    r = cli("notebook", "import", "-", "--out", "out", "--episode", "7", stdin=json.dumps(bad))
+    assert r.returncode == 1
+    saved = json.loads((work / "out" / "7_averages.rejected.ipynb").read_text())
+    cell = next(i for i, c in enumerate(saved["cells"]) if "print(values[4])" in "".join(c["source"]))
+    assert f"cell {cell} (section 1) failed when run: IndexError" in r.stdout, r.stdout
+    assert f"cell {cell} (section 1) failed when run" in "".join(saved["cells"][0]["source"])

@@ -98,9 +98,27 @@ def assess(obj, number: int | None, timeout: float, progress: Progress, text: st
     if failed:
         a.problems.append(f"{describe_cell(nb, failed.cell)} failed when run: {failed.ename}: {failed.evalue}")
     a.problems += [e.line() for e in report.exercises if not e.ok]
+    if not a.problems:
+        a.problems += _on_two_ranks(nb, timeout, progress)
     progress.say(f"  ran {len(report.executed)} code cells in {report.seconds:.1f} s"
                  + (f", skipped {len(report.skipped)} needing a GPU" if report.skipped else ""))
     return a
+
+
+def _on_two_ranks(nb, timeout: float, progress: Progress) -> list[str]:
+    """A notebook that starts its own process group is run again as 2 ranks (see multirank.py)."""
+    from ultrascale.series.build import check_function
+    from ultrascale.series.multirank import WORLD, run_as_ranks, uses_process_group
+    from ultrascale.series.outline import outline
+
+    cells = [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
+    if not uses_process_group(s for _, s in cells):
+        return []
+    o = outline(nb)
+    exercises = [(e.number, e.solution, check_function(e.number)) for e in o.exercises
+                 if e.solution and e.check is not None]
+    with progress.step(f"running it again as {WORLD} ranks"):
+        return run_as_ranks(cells, exercises, timeout)
 
 
 def keep(a: Attempt, out: str, number: int, force: bool) -> tuple[str, bool]:
