@@ -45,14 +45,33 @@ REQUIREMENTS = """\
 - Use PyTorch where it applies; import everything you use (in the first code cell that needs it).
 - Comment the non-obvious lines.
 - Every cell must run top to bottom on a laptop CPU in well under a minute: no `.cuda()`, no "cuda"
-  device, no NCCL. For torch.distributed use one process with the gloo backend:
-  `dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)` (guard it with
-  `if not dist.is_initialized():`), or simulate several ranks in one process with lists of tensors.
-  A cell that cannot run without a GPU must set `needs_gpu: true` (it is skipped on CPU).
-- Keep tensors small; use realistic numbers in explanations and calculations.
-- Get the facts right: data parallelism averages gradients (all-reduce sums, then divide by the number of
-  ranks); gradient accumulation averages too (divide each micro-batch loss by the number of micro-batches);
-  MBS is the micro-batch size; never add per-parameter all-reduce hooks on top of DDP (it already reduces).
+  device, no NCCL outside a cell marked `needs_gpu: true` (such a cell is wrapped in
+  `if torch.cuda.is_available():` and says it was skipped on a CPU).
+- Several ranks are real processes, not lists of tensors: `from ultrascale.series.ranks import on_ranks`,
+  then `on_ranks(2, fn, *args)` runs `fn` (a function defined in a cell) on 2 gloo processes with
+  torch.distributed initialised (`dist.get_rank()`, `dist.all_reduce`, `dist.send`/`dist.recv` work) and
+  returns each rank's result. A notebook that starts its own process group instead is run again as 2 ranks
+  by the checks, and must give the same results there.
+- Each exercise has 2-3 `hints`, from a nudge to nearly the answer; the solution can be revealed after them.
+- Keep tensors small; use realistic numbers in explanations and calculations, computed by the code
+  (never typed-in timings or measurements).
+- Get the facts right:
+  - data parallelism averages gradients (all-reduce sums, then divide by the number of ranks); never add
+    per-parameter all-reduce hooks on top of DDP (it already reduces);
+  - gradient accumulation averages too (divide each micro-batch loss by the number of micro-batches);
+    under `no_sync()` gradients are reduced once, at the first backward outside the context;
+  - MBS is the micro-batch size; GBS = MBS x GA x DP; 4M tokens of 4096-token sequences are 1024 samples;
+  - mixed-precision training with Adam costs 2 (bf16 params) + 2 (bf16 grads) + 4 (fp32 master) + 4 + 4
+    (Adam moments) = 16 bytes per parameter (20 with fp32 gradient accumulation), not 12;
+  - ZeRO-1 shards the fp32 master weights and both Adam moments: k = 12 bytes per parameter divided by N,
+    memory 2Ψ + 2Ψ + 12Ψ/N; ZeRO-2: 2Ψ + (2 + 12)Ψ/N; ZeRO-3: (2 + 2 + 12)Ψ/N;
+  - ZeRO-1 and ZeRO-2 move as much data as DP (2Ψ: reduce-scatter + all-gather); ZeRO-3 moves 3Ψ
+    (parameters all-gathered again for the backward);
+  - a ring all-reduce sends 2(N-1)/N times the buffer per rank;
+  - activation memory grows quadratically with the sequence length unless attention is fused
+    (FlashAttention-style recomputation of the scores);
+  - the pipeline bubble of AFAB and 1F1B is (p - 1) / m of the ideal time; 1F1B lowers the activations in
+    flight, not the bubble.
 
 ### Episode
 This is episode {n}."""
