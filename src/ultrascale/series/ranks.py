@@ -107,7 +107,7 @@ def _bundle(obj, seen=None) -> dict:
                          f"define it with `def` in a notebook cell") from None
     if isinstance(obj, types.LambdaType) and name == "<lambda>":
         raise ValueError("cannot send a lambda to other processes: define the function with `def`")
-    bundle = {"name": name, "source": source, "imports": {}, "values": {}, "deps": []}
+    bundle = {"name": name, "source": source, "imports": {}, "from_imports": {}, "values": {}, "deps": []}
     seen.add(name)
     namespace = getattr(obj, "__globals__", None) or vars(sys.modules.get(obj.__module__, builtins))
     if isinstance(obj, type):  # a class: the names its methods use
@@ -123,6 +123,10 @@ def _bundle(obj, seen=None) -> dict:
             bundle["imports"][n] = value.__name__
         elif _from_notebook(value):
             bundle["deps"].append(_bundle(value, seen))
+        elif (home := _module_holding(n, value)) is not None:
+            # `from pkg import STATE`: the same object in the new process, not a pickled copy of it
+            # (a module-level counter or registry must be the one the package itself updates).
+            bundle["from_imports"][n] = home
         else:
             try:
                 bundle["values"][n] = pickle.dumps(value)
@@ -133,6 +137,26 @@ def _bundle(obj, seen=None) -> dict:
     return bundle
 
 
+def _module_holding(name: str, value):
+    """The importable module that defines `name` as this very object, if one does."""
+    if isinstance(value, (int, float, str, bytes, bool, type(None))):
+        return None  # small values: as cheap to copy, and a copy cannot go stale
+    main = sys.modules.get("__main__")
+    own = getattr(value, "__module__", None)  # a function's or class's home, tried first
+    names = ([own] if isinstance(own, str) and own in sys.modules else []) + list(sys.modules)
+    for module_name in names:
+        module = sys.modules.get(module_name)
+        # __main__ and its aliases (__mp_main__) are the notebook itself: not importable elsewhere.
+        if module is None or module is main or module_name.startswith("__"):
+            continue
+        try:
+            if vars(module).get(name) is value:
+                return module_name
+        except TypeError:
+            continue
+    return None
+
+
 def _define(bundle: dict, namespace: dict):
     import importlib
 
@@ -140,6 +164,8 @@ def _define(bundle: dict, namespace: dict):
         _define(dep, namespace)
     for alias, module in bundle["imports"].items():
         namespace[alias] = importlib.import_module(module)
+    for n, module in bundle["from_imports"].items():
+        namespace[n] = getattr(importlib.import_module(module), n)
     for n, blob in bundle["values"].items():
         namespace[n] = pickle.loads(blob)
     exec(compile(bundle["source"], f"<notebook: {bundle['name']}>", "exec"), namespace)
