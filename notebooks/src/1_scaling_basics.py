@@ -178,13 +178,17 @@ print("data-sheet dense peaks the trainer uses on GPUs, TFLOP/s:", PEAK_TFLOPS)
 ''')
 
 GPU = code(r'''
-# Needs a GPU: the same trainer in bf16 on CUDA, where the trainer knows the data-sheet peak and reports MFU.
-gpu_cfg = RunConfig(model=get_preset("small"),
-                    train=TrainConfig(steps=6, seq_len=512, micro_batch=16, dtype="bf16", device="cuda",
-                                      progress=False))
-last = train_single(gpu_cfg).metrics[-1]
+# Needs a GPU: the same trainer in bf16 on CUDA, where it knows the data-sheet peak and reports MFU itself.
+from ultrascale.config import validate
+from ultrascale.distributed.context import build_context
+from ultrascale.train.trainer import run_training
+
+gpu_cfg = validate(RunConfig(model=get_preset("small"),
+                             train=TrainConfig(steps=6, seq_len=512, micro_batch=16, dtype="bf16", progress=False)), 1)
+last = run_training(gpu_cfg, build_context(gpu_cfg.parallel, 0, 1, device=torch.device("cuda"))).metrics[-1]
+mfu = "no data-sheet peak for this GPU" if last["mfu"] is None else f"{last['mfu']:.1%}"
 print(f"{torch.cuda.get_device_name()}: {last['tokens_per_s']:,.0f} tokens/s, "
-      f"{last['tflops']:.2f} TFLOP/s, MFU {last['mfu']}")
+      f"{last['tflops']:.2f} TFLOP/s, MFU {mfu}")
 ''', needs_gpu=True)
 
 
