@@ -6,7 +6,7 @@ Everything runs in one CPU process on the engine's `tiny` model; the 8B figures 
 planner (`ultrascale plan memory`) and from the model's shape on the meta device.
 """
 
-from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Reference, Section
+from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Section
 
 
 def md(text):
@@ -206,11 +206,6 @@ EPISODE = Episode(
         "Counting parameters: the playbook's GPT formula checked against a real model",
         "FLOPs per token: 6N for the weights plus the attention term, measured with PyTorch's FLOP counter",
         "Throughput (tokens/s, measured) and MFU: model FLOP/s over the hardware's peak",
-    ],
-    references=[
-        Reference(2, "activation memory in detail, and recomputation"),
-        Reference(5, "the global batch: micro-batch x gradient accumulation x data parallelism"),
-        Reference(6, "ZeRO, which shards the optimizer states counted here"),
     ],
     sections=[
         Section("One training step, owner by owner", [

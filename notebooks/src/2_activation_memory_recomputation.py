@@ -190,7 +190,6 @@ EPISODE = Episode(
     ],
     references=[
         Reference(1, "the four memory owners, and MFU (recomputation adds hardware FLOPs, not model FLOPs)"),
-        Reference(5, "micro-batch size: activations scale with it, which is why it is bounded"),
     ],
     sections=[
         Section("What autograd keeps for backward", [
