@@ -68,7 +68,6 @@ def exercise_1(block_activation_bytes):
         if abs(got - want) <= 1e-9 * want:
             continue
         h, a, f = cfg.hidden, cfg.heads, cfg.ffn_hidden
-        kv = cfg.kv_heads * (h // a)
         where = (f"{cfg.name} (h={h}, heads={a}, kv_heads={cfg.kv_heads}, f={f}), b={b}, s={s}, "
                  f"{'fp32' if B == 4 else 'bf16'}: you say {got:,.0f} bytes, the block keeps {want:,} "
                  f"({want / (b * s):,.0f} per token)")
