@@ -226,8 +226,8 @@ accumulating 4 micro-batches, and **2 real ranks** with data parallelism, with a
             ENGINE,
             md(r'''
 The losses agree to float rounding (the additions happen in another order), step after step. What changes
-is the cost: the activations a rank keeps depend **only on the micro-batch** (MBS 8 keeps 4x what MBS 2
-keeps), not on GA or DP. So the micro-batch is set by memory, and GA and DP fill the batch.
+is the cost: the activations a rank keeps depend **only on the micro-batch** (MBS 8 keeps about 4x what
+MBS 2 keeps), not on GA or DP. So the micro-batch is set by memory, and GA and DP fill the batch.
 '''),
         ]),
         Section("Trading GA for DP, and where 1-D parallelism runs out", [

@@ -48,7 +48,7 @@ MISTAKES = [
             raise ValueError("does not split")
         return 1, sequences // gpus, gpus
     '''),
-            ("2", "fewer replicas, no accumulation", "so dp = gpus = 128", '''
+            ("2", "more replicas than GPUs", "returned dp 512 on 128 GPUs", '''
     def choose_layout(gbs_tokens, seq_len, gpus, max_mbs):
         sequences = gbs_tokens // seq_len
         if sequences < gpus or sequences % gpus:

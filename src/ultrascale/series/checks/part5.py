@@ -123,8 +123,9 @@ def exercise_2(choose_layout):
             f"{sequences} sequences ({tokens:,} / {seq_len}): mbs must divide the {sequences // gpus} sequences each "
             f"GPU gets, and ga = sequences / (mbs x dp)")
         assert mbs <= max_mbs, f"{call}: a micro-batch of {mbs} does not fit in memory; at most {max_mbs} does"
-        assert dp == gpus, (f"{call} returned dp {dp}: in 1-D parallelism every GPU is a data-parallel replica, "
-                            f"so dp = gpus = {gpus} (fewer replicas leave GPUs idle)")
+        assert dp == gpus, (f"{call} returned dp {dp} on {gpus} GPUs: in 1-D parallelism every GPU holds one "
+                            f"data-parallel replica, so dp = gpus = {gpus}; "
+                            + ("more replicas than GPUs do not exist" if dp > gpus else "fewer leave GPUs idle"))
         assert got == want, (
             f"{call} returned (mbs, ga, dp) = {got}, the planner picks {want}: take the largest micro-batch that "
             f"fits and divides the {sequences // gpus} sequences per GPU - fewer, larger micro-batches keep the GPU "
