@@ -344,9 +344,9 @@ passes. Part 5 puts numbers on the trade-off between accumulation and more GPUs.
         ]),
         Section("The collectives, on 4 real ranks", [
             md(r'''
-Every form of parallelism in this course - data, ZeRO, tensor, pipeline, context, expert - is written with a
-handful of **collective operations**: calls that **every rank of a group** makes together, each with its own
-tensor. If one rank does not join, the others wait forever. The names say what they do:
+Every form of parallelism in this course - data, ZeRO, tensor, context, expert - is written with a handful
+of **collective operations** (pipeline parallelism adds point-to-point `send`/`recv` between neighbouring
+stages): calls that **every rank of a group** makes together, each with its own tensor. If one rank does not join, the others wait forever. The names say what they do:
 
 - **broadcast**: one rank (the *source*) sends its tensor to all;
 - **reduce**: combine (sum, by default) everyone's tensor onto one rank (the *destination*);

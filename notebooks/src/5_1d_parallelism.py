@@ -141,7 +141,8 @@ EPISODE = Episode(
         "x data-parallel ranks (DP)",
         "Counting in samples and in tokens: 4M tokens of 4096-token sequences are 1024 samples",
         "The planner's choice for Llama 3 8B on 128 H100s: MBS 2 x GA 4 x DP 128, and why MBS 2",
-        "A real run of the engine: the same global batch as 1 x 8, 4 x 2, 2 ranks x 2 x 2 - the same losses",
+        "A real run of the engine: 8 sequences per step as 1 micro-batch of 8, as 4 accumulated micro-batches "
+        "of 2, and on 2 real ranks (2 x 2, 1 x 4) - the same losses, different activation memory",
         "Trading GA for DP, and where data parallelism alone runs out",
     ],
     references=[
