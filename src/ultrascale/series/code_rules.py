@@ -6,7 +6,7 @@ imports        a name that is a module by convention (torch, dist, np, ...) is i
 accelerator    no unconditional GPU-only code: `.cuda()`, a "cuda" device, the NCCL backend,
                torch.cuda.* calls. Allowed inside an `if` that tests for CUDA/a device, in cells
                tagged needs-gpu, or anywhere when the notebook declares an accelerator
-process-group  DDP or a collective needs `init_process_group` somewhere in the notebook
+process-group  DDP or a collective needs `init_process_group` (or `on_ranks`) somewhere in the notebook
 
 Why static: a notebook that imports torch but calls `.cuda()` fails only on a laptop, the
 machine the series is written for, so the lint says so before anyone runs it.
@@ -83,7 +83,8 @@ def _process_group(trees: dict, v) -> None:
     """DDP (or a collective) needs init_process_group somewhere in the notebook first."""
     calls = {i: [ast.unparse(n.func) for n in ast.walk(t) if isinstance(n, ast.Call)]
              for i, t in trees.items() if isinstance(i, int)}
-    if any(name.endswith("init_process_group") for names in calls.values() for name in names):
+    # on_ranks(world, fn) runs fn on processes that joined a gloo group: fn's collectives have one.
+    if any(name.endswith(("init_process_group", "on_ranks")) for names in calls.values() for name in names):
         return
     for i, names in sorted(calls.items()):
         used = [n for n in names if n.split(".")[-1] in ("DDP", "DistributedDataParallel")
