@@ -175,8 +175,8 @@ from ultrascale.parallel.grads import LocalGrads
 
 
 def time_sync(reps=10, width=512, layers=8, batch=64, bucket_mb=2.0):
-    """Per rank: the fastest of `reps` timings (ms) of backward + gradient sync for each mode, on the same
-    model and data; plus the all-reduces alone and the forward."""
+    """Per rank, each mode on the same model and data: the fastest of `reps` timings (ms) of the forward and
+    of backward + gradient sync; and the same all-reduces with nothing else running."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def net():
@@ -185,7 +185,7 @@ def time_sync(reps=10, width=512, layers=8, batch=64, bucket_mb=2.0):
 
     torch.manual_seed(1 + rank)
     xb, yb = torch.randn(batch, width), torch.randn(batch, width)
-    owners = {"backward only": lambda ps: LocalGrads(ps),        # no communication at all
+    owners = {"backward only": lambda ps: LocalGrads(ps),  # the engine's gradient owner, no communication
               "naive": lambda ps: NaiveDataParallel(ps, "fp32", None, world),
               "overlap": lambda ps: OverlapDataParallel(ps, "fp32", None, world),
               "bucket": lambda ps: BucketedDataParallel(ps, "fp32", None, world, bucket_mb)}
@@ -194,37 +194,38 @@ def time_sync(reps=10, width=512, layers=8, batch=64, bucket_mb=2.0):
         m = net()
         runs[mode] = (m, make(list(m.parameters())))
     ddp = DDP(net())
-    times = {k: [] for k in [*owners, "DDP, no_sync", "DDP", "all-reduces alone", "forward"]}
+    runs["DDP, no_sync"] = runs["DDP"] = (ddp, None)
+    fwd, sync, alone = {k: [] for k in runs}, {k: [] for k in runs}, []
     for r in range(reps + 2):  # 2 warm-up rounds (DDP rebuilds its buckets after the first)
-        for mode, (m, owner) in runs.items():
-            owner.zero()
-            t0 = time.perf_counter()
-            loss = nn.functional.mse_loss(m(xb), yb)
-            t1 = time.perf_counter()
-            dist.barrier()  # both ranks start backward together
-            t2 = time.perf_counter()
-            loss.backward()
-            owner.finish()  # wait for (or, naive: do) the gradient all-reduces
-            times[mode].append((time.perf_counter() - t2) * 1e3)
-            times["forward"].append((t1 - t0) * 1e3)
-        for mode in ("DDP, no_sync", "DDP"):
-            ddp.zero_grad()
+        for mode, (model, owner) in runs.items():
+            if owner is None:
+                ddp.zero_grad()
+            else:
+                owner.zero()
             with ddp.no_sync() if mode == "DDP, no_sync" else contextlib.nullcontext():
-                loss = nn.functional.mse_loss(ddp(xb), yb)
-                dist.barrier()
                 t0 = time.perf_counter()
+                loss = nn.functional.mse_loss(model(xb), yb)
+                t1 = time.perf_counter()
+                dist.barrier()  # both ranks start backward together
+                t2 = time.perf_counter()
                 loss.backward()  # DDP waits for its last bucket at the end of backward
-                times[mode].append((time.perf_counter() - t0) * 1e3)
+                if owner is not None:
+                    owner.finish()  # the engine: wait for (naive: run) the all-reduces
+                t3 = time.perf_counter()
+            if r >= 2:
+                fwd[mode].append((t1 - t0) * 1e3)
+                sync[mode].append((t3 - t2) * 1e3)
         grads = [torch.randn_like(p) for p in ddp.parameters()]  # the same sizes, nothing else running
         dist.barrier()
         t0 = time.perf_counter()
         for g in grads:
             dist.all_reduce(g)
-        times["all-reduces alone"].append((time.perf_counter() - t0) * 1e3)
+        if r >= 2:
+            alone.append((time.perf_counter() - t0) * 1e3)
     same = all(torch.allclose(p.main_grad, q.grad, rtol=1e-4, atol=1e-7)
                for mode in ("naive", "overlap", "bucket")
                for p, q in zip(runs[mode][0].parameters(), ddp.module.parameters()))
-    n_params = sum(p.numel() for p in ddp.parameters())
+
     probe, ddp_buckets = DDP(net()), []  # how many buckets DDP makes here
 
     def count(state, bucket):  # a comm hook: note the bucket, then DDP's default (average)
@@ -236,28 +237,30 @@ def time_sync(reps=10, width=512, layers=8, batch=64, bucket_mb=2.0):
     for _ in range(2):  # the second iteration uses the rebuilt buckets
         ddp_buckets.clear()
         nn.functional.mse_loss(probe(xb), yb).backward()
-    return ({k: min(v[2:]) for k, v in times.items()}, same, n_params, len(list(ddp.parameters())),
-            len(runs["bucket"][1].buckets), len(ddp_buckets))
+    return {"forward": {k: min(v) for k, v in fwd.items()}, "sync": {k: min(v) for k, v in sync.items()},
+            "alone": min(alone), "same": same, "params": sum(p.numel() for p in ddp.parameters()),
+            "tensors": len(list(ddp.parameters())), "buckets": len(runs["bucket"][1].buckets),
+            "ddp_buckets": len(ddp_buckets)}
 
 
 t0 = time.perf_counter()
-results = on_ranks(WORLD, time_sync)
-best, same, n_params, n_tensors, n_buckets, n_ddp_buckets = results[0]
-comm = best["all-reduces alone"]
-print(f"{n_params:,} parameters in {n_tensors} tensors ({n_params * 4 / 2**20:.1f} MiB of fp32 gradients), "
-      f"2 ranks, rank 0, best of 10; forward {best['forward']:.1f} ms")
-print(f"the same all-reduces alone (one per parameter, nothing else running): {comm:.1f} ms")
-print(f"{'mode':<32}{'backward + sync':>16}{'exposed comm':>14}{'hidden vs naive':>17}")
-naive_exposed = best["naive"] - best["backward only"]
+m = on_ranks(WORLD, time_sync)[0]
+sync, fwd = m["sync"], m["forward"]
+print(f"{m['params']:,} parameters in {m['tensors']} tensors ({m['params'] * 4 / 2**20:.1f} MiB of fp32 "
+      f"gradients), 2 ranks, rank 0, best of 10")
+print(f"the same all-reduces alone (one per tensor, nothing else running): {m['alone']:.1f} ms")
+print(f"{'mode':<30}{'fwd+bwd+sync':>13}{'bwd+sync':>11}{'exposed comm':>14}{'hidden vs naive':>17}")
+naive_exposed = sync["naive"] - sync["backward only"]
+labels = {"bucket": f"bucket ({m['buckets']} buckets, cap 2 MiB)",
+          "DDP": f"DDP ({m['ddp_buckets']} buckets, default caps)"}
 for mode, base in (("backward only", None), ("naive", "backward only"), ("overlap", "backward only"),
                    ("bucket", "backward only"), ("DDP, no_sync", None), ("DDP", "DDP, no_sync")):
-    label = {"bucket": f"bucket ({n_buckets} buckets, cap 2 MiB)", "DDP": f"DDP ({n_ddp_buckets} buckets, default caps)"}.get(mode, mode)
-    if base is None:
-        print(f"{label:<32}{best[mode]:>13.1f} ms")
-        continue
-    exposed = best[mode] - best[base]
-    print(f"{label:<32}{best[mode]:>13.1f} ms{exposed:>11.1f} ms{1 - exposed / naive_exposed:>17.0%}")
-print(f"every mode's averaged gradients equal DDP's: {same}  ({time.perf_counter() - t0:.1f} s)")
+    line = f"{labels.get(mode, mode):<30}{fwd[mode] + sync[mode]:>10.1f} ms{sync[mode]:>8.1f} ms"
+    if base is not None:
+        exposed = sync[mode] - sync[base]
+        line += f"{exposed:>11.1f} ms{1 - exposed / naive_exposed:>17.0%}"
+    print(line)
+print(f"every mode's averaged gradients equal DDP's: {m['same']}  ({time.perf_counter() - t0:.1f} s)")
 ''')
 
 NO_SYNC = code(r'''
@@ -346,10 +349,10 @@ But `dist.all_reduce` **sums** by default (`ReduceOp.SUM`). Both ranks below tra
 '''),
             REPLICAS,
             md(r'''
-The summed gradient is 2x too large - N times too large on N GPUs, as if the learning rate were multiplied
-by the number of GPUs (Adam divides much of the scale away, which makes the bug easy to miss; SGD and
-gradient clipping do not). Every data-parallel implementation **averages**: divide by N before or after the
-sum (gloo has no `ReduceOp.AVG`; NCCL does).
+The summed gradient is 2x too large - N times too large on N GPUs. With plain SGD that is N times the
+learning rate; Adam's update is nearly blind to the gradient's scale and gradient clipping caps it, which
+makes the bug easy to miss. Every data-parallel implementation **averages**: divide by N before or after
+the sum (gloo has no `ReduceOp.AVG`; NCCL does).
 
 > In the playbook's figure of the DP timeline, the numbered boxes are the model's **layers** on one GPU
 > (backward visits them in reverse), not GPUs.
@@ -434,8 +437,9 @@ view into its bucket).
             md(r'''
 Now the three modes of the engine (`ultrascale.parallel.data_parallel`, the classes behind
 `ultrascale train --nproc 2 --dp 2 --dp-mode naive|overlap|bucket`) and PyTorch DDP, on the same
-8-layer MLP and the same data, on the 2 ranks. For each, we time **backward plus the gradient sync**
-(backward, then `finish()`, which waits for or, in naive mode, performs the all-reduces), and compare with
+8-layer MLP and the same data, on the 2 ranks. For each, we time the forward and **backward plus the
+gradient sync** (backward, then `finish()`, which waits for or, in naive mode, performs the all-reduces);
+their sum is the step without the optimizer, which is the same in every mode. We compare with
 **backward alone** (no communication; for DDP: backward inside `no_sync()`). The difference is the
 communication left **exposed**. Naive hides nothing by construction, so the share of naive's exposed time
 that a mode no longer shows is what it **hid** behind backward. Each figure is the fastest of 10
@@ -663,7 +667,7 @@ part4.exercise_2(bucketed_all_reduce)
              "It recomputes the forward pass during backward"],
             1,
             "The last layers' gradients are ready early; starting their all-reduce during the rest of backward "
-            "can hide communication (on GPUs much of it; on the 2-core CPU above, little).",
+            "hides communication behind computation (on GPUs, most of it).",
         ),
         QuizQuestion(
             "Which statement about PyTorch DDP's gradient buckets (torch 2.13, `find_unused_parameters=False`) "
@@ -675,7 +679,8 @@ part4.exercise_2(bucketed_all_reduce)
              "The first iteration already uses buckets of `bucket_cap_mb` in backward order"],
             2,
             "Measured in the bucket section: one bucket in iteration 1, then rebuilt buckets of 340 elements "
-            "against a 300-element cap, and a first bucket of four 0.25 MiB layers under the 1 MiB first cap.",
+            "against a 300-element cap, and a first bucket of four 0.25 MiB layers (1.004 MiB) for the 1 MiB "
+            "first-bucket cap.",
         ),
         QuizQuestion(
             "Each rank accumulates 4 micro-batches per optimizer step; forward and backward of the first 3 run "

@@ -175,7 +175,8 @@ def exercise_1(fn, seeds=(1, 2)):
                                  "yourself, with a post-accumulate-grad hook per parameter; drop DDP")
         if used_ddp:
             k = ratio(_flat(results[0]["grads"]), _flat(want))
-            twice = "reduced twice: DDP already averages every gradient across the ranks, and your hook all-reduces it again"
+            twice = ("reduced twice: DDP already averages every gradient across the ranks, and your hook "
+                     "all-reduces it again")
             if any(c["async"] for c in mine[0]):
                 raise AssertionError(
                     f"{twice}; asynchronously, so your all-reduce races with DDP's copy of the gradient into its "
