@@ -154,6 +154,7 @@ def ddp_buckets(make, bucket_cap_mb=None, iterations=2):
     return seen, ddp._get_ddp_logging_data()["bucket_sizes"]
 
 
+print("torch", torch.__version__)
 sizes = {n: p.numel() for n, p in exercise_model().named_parameters()}
 cap = 300  # elements; in bytes: 1200 (fp32)
 seen, logged = on_ranks(WORLD, ddp_buckets, exercise_model, cap * 4 / 2**20)[0]
@@ -174,7 +175,7 @@ from ultrascale.parallel.data_parallel import BucketedDataParallel, NaiveDataPar
 from ultrascale.parallel.grads import LocalGrads
 
 
-def time_sync(reps=10, width=512, layers=8, batch=64, bucket_mb=2.0):
+def time_sync(reps=10, width=384, layers=8, batch=64, bucket_mb=1.0):
     """Per rank, each mode on the same model and data: the fastest of `reps` timings (ms) of the forward and
     of backward + gradient sync; and the same all-reduces with nothing else running."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -251,7 +252,7 @@ print(f"{m['params']:,} parameters in {m['tensors']} tensors ({m['params'] * 4 /
 print(f"the same all-reduces alone (one per tensor, nothing else running): {m['alone']:.1f} ms")
 print(f"{'mode':<30}{'fwd+bwd+sync':>13}{'bwd+sync':>11}{'exposed comm':>14}{'hidden vs naive':>17}")
 naive_exposed = sync["naive"] - sync["backward only"]
-labels = {"bucket": f"bucket ({m['buckets']} buckets, cap 2 MiB)",
+labels = {"bucket": f"bucket ({m['buckets']} buckets, cap 1 MiB)",
           "DDP": f"DDP ({m['ddp_buckets']} buckets, default caps)"}
 for mode, base in (("backward only", None), ("naive", "backward only"), ("overlap", "backward only"),
                    ("bucket", "backward only"), ("DDP, no_sync", None), ("DDP", "DDP, no_sync")):
@@ -453,14 +454,14 @@ How to read it, and the limits of a CPU measurement:
   nothing overlaps; it can exceed the same all-reduces measured alone, because the first all-reduce also
   waits for the slower rank to finish backward (a straggler costs every rank).
 - **Overlap, bucket and DDP** start communicating during backward. How much they hide depends on the
-  hardware. With gloo on a CPU, an all-reduce is partly CPU work (gloo's threads copy and sum the 8 MiB,
+  hardware. With gloo on a CPU, an all-reduce is partly CPU work (gloo's threads copy and sum every byte,
   competing with backward for the same cores) and partly waiting for the other process; the waiting can hide
   behind backward, the CPU work only where a core is free. This machine has 2 cores for 2 ranks, shared with
   other programs, so the figures change from run to run (run the cell again): read them as orders of
   magnitude, not as a benchmark. On GPUs, NCCL moves the data with its own kernels and the network card while
   the GPU computes, and backward is long, so most of the all-reduce can hide.
-- **DDP with its default caps** makes 2 buckets for a model this small: about 1 MiB (the last layer), then
-  everything else, which can only start when backward is done; the engine's 2 MiB buckets start earlier. On
+- **DDP with its default caps** makes 2 buckets for a model this small: about 1 MiB (the last layers), then
+  everything else, which can only start when backward is done; the engine's 1 MiB buckets start earlier. On
   the other hand DDP's reducer is C++, while the engine's and your hooks run Python for every tensor. Which
   wins by a few milliseconds here is within the noise. On a real LLM (gigabytes of gradients) 25 MiB buckets
   are small, and DDP overlaps well.

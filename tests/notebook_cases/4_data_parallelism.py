@@ -216,7 +216,7 @@ PRINTED = [
     "six Linear(256, 256), default caps (first bucket 1 MiB, then 25 MiB):",
     "  iteration 1: 12 tensors = 1.506 MiB",
     "  iteration 2: 8 tensors = 1.004 MiB | 4 tensors = 0.502 MiB",
-    "2,101,248 parameters in 16 tensors (8.0 MiB of fp32 gradients), 2 ranks, rank 0, best of 10\n",
+    "1,182,720 parameters in 16 tensors (4.5 MiB of fp32 gradients), 2 ranks, rank 0, best of 10\n",
     "every mode's averaged gradients equal DDP's: True",
     "forward + backward inside no_sync: all-reduce calls after each micro-batch [0, 0, 0, 1], ranks agree: True, "
     "full-batch gradient: True",
