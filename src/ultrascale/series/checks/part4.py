@@ -225,7 +225,12 @@ def exercise_1(fn, seeds=(1, 2)):
         k = ratio(grads[0], ref)
         close = max_rel_diff(grads[0], ref) < 1e-4
         if not close:
-            if per_param > 1 or _near(k, n * n):
+            if per_param <= 1 and _near(k, n * n):
+                raise AssertionError(
+                    f"your gradients are {k:.3f}x = {n}x{n} the single-process ones: summed over the {n} ranks "
+                    f"and scaled up by the world size once more (multiplied where you should divide?); divide "
+                    f"each gradient by the world size")
+            if per_param > 1:
                 raise AssertionError(
                     f"your gradients are {k:.3f}x the single-process ones: reduced twice ({len(mine[0])} "
                     f"all-reduces for {len(names)} gradients: a hook and a loop after backward, or two hooks). "
