@@ -1,9 +1,10 @@
 """Part 4 of the series: data parallelism and its three optimisations.
 
 The source of notebooks/4_data_parallelism.ipynb (build it with
-`python notebooks/src/build.py`). Everything runs in one CPU process: a real
-gloo process group of size 1 for the torch.distributed and DDP calls, and
-ranks simulated as a list of model replicas where several must be seen at once.
+`python notebooks/src/build.py 4`). Everything about several ranks runs on 2 real
+gloo processes through `on_ranks` (started once, reused); the timings are measured
+on those ranks with the engine's data-parallel modes and with PyTorch DDP; the
+exercise checks live in ultrascale.series.checks.part4.
 """
 
 from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Reference, Section
@@ -18,58 +19,69 @@ def code(text, needs_gpu=False):
 
 
 SETUP = code(r'''
+import contextlib
+import time
+
 import torch
-import torch.nn as nn
 import torch.distributed as dist
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-torch.manual_seed(0)
+from ultrascale.series.ranks import on_ranks
 
-# On a cluster, torchrun starts one process per GPU and each one calls
-# dist.init_process_group("nccl"). Here: one CPU process, the gloo backend and an
-# in-memory store. It is a real process group (of size 1), so every torch.distributed
-# and DDP call below runs exactly as written.
-if not dist.is_initialized():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-print("backend:", dist.get_backend(), "| world size:", dist.get_world_size())
-''')
+WORLD = 2  # two real processes, as torchrun would start one per GPU
 
-REPLICAS = code(r'''
+
 def make_model():
-    """The same small MLP every time: DDP also starts every replica from identical weights
+    """The same small MLP on every rank: DDP also starts every replica from identical weights
     (it broadcasts rank 0's parameters when it wraps the model)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
-def all_reduce_sum(tensors):
-    """What dist.all_reduce does, for ranks simulated in one process: `tensors` holds the same
-    tensor from every rank; afterwards each one holds the sum over all ranks (ReduceOp.SUM,
-    the default)."""
-    total = torch.stack(tensors).sum(dim=0)
-    for t in tensors:
-        t.copy_(total)
+def whoami():
+    return f"rank {dist.get_rank()} of {dist.get_world_size()}, backend {dist.get_backend()}"
 
 
-loss_fn = nn.MSELoss()                     # a mean over the samples of a batch
-x, y = torch.randn(32, 16), torch.randn(32, 4)   # one global batch of 32 samples
+for line in on_ranks(WORLD, whoami):  # the first call starts the 2 processes (a few seconds)
+    print(line)
+''')
 
-# Reference: one model sees the whole batch.
-single = make_model()
+REPLICAS = code(r'''
+torch.manual_seed(0)
+x, y = torch.randn(16, 16), torch.randn(16, 4)   # one global batch of 16 samples
+loss_fn = nn.MSELoss()                            # a mean over the samples of a batch
+
+single = make_model()                             # the reference: one model sees the whole batch
 loss_fn(single(x), y).backward()
+single_grads = [p.grad.clone() for p in single.parameters()]
 
-# Data parallelism on 4 simulated ranks: replica r trains on samples 8r .. 8r+7.
-world = 4
-replicas = [make_model() for _ in range(world)]
-for r, (xb, yb) in enumerate(zip(x.chunk(world), y.chunk(world))):
-    loss_fn(replicas[r](xb), yb).backward()
 
-# All-reduce every gradient across the replicas, as-is.
-for params in zip(*(m.parameters() for m in replicas)):
-    all_reduce_sum([p.grad for p in params])
+def dp_gradients(x, y, average):
+    """On each rank: forward and backward on this rank's half of the batch, then all-reduce every gradient."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    nn.MSELoss()(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)                   # ReduceOp.SUM, the default
+        if average:
+            p.grad.div_(world)
+    return [p.grad for p in model.parameters()]
 
-w_dp, w_single = next(replicas[0].parameters()), next(single.parameters())
-print(f"replica 0's summed gradient / single-model gradient: {(w_dp.grad.norm() / w_single.grad.norm()).item():.3f}")
+
+def compare(per_rank, reference):
+    """Do the ranks agree, and how large is rank 0's gradient against the reference (ratio of norms)?"""
+    agree = all(torch.equal(a, b) for grads in per_rank[1:] for a, b in zip(per_rank[0], grads))
+    flat = lambda gs: torch.cat([g.reshape(-1) for g in gs])  # noqa: E731
+    ratio = (flat(per_rank[0]).norm() / flat(reference).norm()).item()
+    same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(per_rank[0], reference))
+    return agree, ratio, same
+
+
+for average in (False, True):
+    agree, ratio, same = compare(on_ranks(WORLD, dp_gradients, x, y, average), single_grads)
+    print(f"{'averaged' if average else 'summed  '}: ranks agree: {agree}, gradient / single-process gradient: "
+          f"{ratio:.3f}, equal to it: {same}")
 ''')
 
 ORDER = code(r'''
@@ -82,131 +94,212 @@ loss_fn(model(x), y).backward()
 print("gradients ready, in this order:", ready)
 ''')
 
-TIMELINE = code(r'''
-# A toy timeline of one backward pass through 3 layers (times in ms).
-backward_ms = [4, 4, 4]    # backward of layer 3, 2, 1: the last layer comes first
-allreduce_ms = [3, 3, 3]   # all-reduce of each layer's gradients
-
-naive = sum(backward_ms) + sum(allreduce_ms)   # communicate only once backward is over
-
-compute_done = link_free = 0
-for b, c in zip(backward_ms, allreduce_ms):
-    compute_done += b                                # this layer's gradients are ready
-    link_free = max(link_free, compute_done) + c     # its all-reduce starts when the link is free
-overlapped = max(compute_done, link_free)
-
-print(f"naive: {naive} ms, overlapped: {overlapped} ms, speed-up {naive / overlapped:.2f}x")
-print(f"exposed communication: naive {naive - sum(backward_ms)} ms, overlapped {overlapped - sum(backward_ms)} ms")
-''')
-
-OVERLAP = code(r'''
-class OverlapDataParallel:
-    """Data parallelism with one asynchronous all-reduce per gradient, started as soon as that
-    gradient is ready, while backward goes on with the earlier layers.
-
-    Use it on a plain model, never on top of DDP: DDP already reduces every gradient, and a second
-    all-reduce would count each contribution again."""
-
-    def __init__(self, model, group=None):
-        self.world = dist.get_world_size(group)
-        self.group = group
-        self.pending = []
+HOOK_ON_DDP = code(r'''
+def hook_on_ddp(x, y, hook):
+    """DDP, plus a per-parameter all-reduce hook on top of it (the mistake), on each rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    ddp = DDP(model)                    # DDP registers its own gradient hooks: it already averages
+    extra = 0
+    if hook != "none":
+        def extra_allreduce(p):
+            nonlocal extra
+            if hook == "average":
+                p.grad.div_(world)
+            dist.all_reduce(p.grad)     # SUM
+            extra += 1
         for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    def _on_grad_ready(self, p):
-        p.grad.div_(self.world)  # all-reduce sums; dividing first turns the sum into the average
-        self.pending.append(dist.all_reduce(p.grad, group=self.group, async_op=True))
-
-    def finish(self):
-        """Wait for every all-reduce of this backward pass; call it before optimizer.step()."""
-        for work in self.pending:
-            work.wait()
-        launched, self.pending = len(self.pending), []
-        return launched
+            p.register_post_accumulate_grad_hook(extra_allreduce)
+    nn.MSELoss()(ddp(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    return [p.grad for p in model.parameters()], extra
 
 
-model = make_model()
-dp = OverlapDataParallel(model)
-loss_fn(model(x), y).backward()    # the all-reduces start inside this call
-print("all-reduces launched during backward:", dp.finish())
+for hook, label in (("none", "DDP alone                  "), ("sum", "DDP + SUM hook (the seed's)"),
+                    ("average", "DDP + averaging hook       ")):
+    results = on_ranks(WORLD, hook_on_ddp, x, y, hook)
+    agree, ratio, _ = compare([g for g, _ in results], single_grads)
+    print(f"{label}: gradients {ratio:.3f}x the single-process ones, ranks agree: {agree}, "
+          f"extra all-reduces: {results[0][1]}")
 ''')
 
 DDP_BUCKETS = code(r'''
-def ddp_bucket_sizes(bucket_cap_mb):
-    """Elements per bucket that DDP all-reduces in one backward pass of a 6-layer model."""
-    torch.manual_seed(0)
-    net = DDP(nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]), bucket_cap_mb=bucket_cap_mb)
-    sizes = []
+def exercise_model():
+    """Exercise 2's model: parameters of 128, 16, 256, 16, 64 and 4 elements, in registration order."""
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 
-    def record(state, bucket):  # a communication hook: DDP calls it once per bucket
-        sizes.append(bucket.buffer().numel())
+
+def six_layers():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])  # 65,792 fp32 elements = 0.25 MiB each
+
+
+def ddp_buckets(make, bucket_cap_mb=None, iterations=2):
+    """The parameters in each bucket DDP all-reduces, per iteration (a comm hook sees every bucket)."""
+    model = make()
+    names = {p: n for n, p in model.named_parameters()}
+    ddp = DDP(model) if bucket_cap_mb is None else DDP(model, bucket_cap_mb=bucket_cap_mb)
+    seen = []
+
+    def record(state, bucket):  # DDP calls it once per bucket; here: note, then DDP's default (average)
+        seen[-1].append([names[p] for p in bucket.parameters()])
         buf = bucket.buffer().div_(dist.get_world_size())
         return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
-    net.register_comm_hook(None, record)
-    for _ in range(2):  # DDP re-forms its buckets after the first backward, in the order gradients arrived
-        sizes.clear()
-        net(torch.randn(4, 256)).sum().backward()
-    return sizes
+    ddp.register_comm_hook(None, record)
+    n_in = next(model.parameters()).shape[1]
+    for _ in range(iterations):
+        seen.append([])
+        ddp(torch.randn(4, n_in)).sum().backward()
+    return seen, ddp._get_ddp_logging_data()["bucket_sizes"]
 
 
-print("one Linear(256, 256) =", 256 * 256 + 256, "elements =", (256 * 256 + 256) * 4 / 2**20, "MB in fp32")
-for cap in (25, 0.5, 0.25):
-    print(f"bucket_cap_mb={cap}: buckets of {ddp_bucket_sizes(cap)} elements")
+print("torch", torch.__version__)
+sizes = {n: p.numel() for n, p in exercise_model().named_parameters()}
+cap = 300  # elements; in bytes: 1200 (fp32)
+seen, logged = on_ranks(WORLD, ddp_buckets, exercise_model, cap * 4 / 2**20)[0]
+print(f"exercise model, bucket_cap_mb = {cap} elements x 4 bytes (DDP's bucket_sizes log: {logged} bytes)")
+for it, buckets in enumerate(seen, 1):
+    print(f"  iteration {it}: " + " | ".join(f"{b} = {sum(sizes[n] for n in b)} elements" for b in buckets))
+
+print(f"\nsix Linear(256, 256), default caps (first bucket {dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20:g} MiB, "
+      f"then 25 MiB):")
+seen, logged = on_ranks(WORLD, ddp_buckets, six_layers)[0]
+layer_mib = (256 * 256 + 256) * 4 / 2**20
+for it, buckets in enumerate(seen, 1):
+    print(f"  iteration {it}: " + " | ".join(f"{len(b)} tensors = {len(b) // 2 * layer_mib:.3f} MiB" for b in buckets))
+''')
+
+TIMING = code(r'''
+from ultrascale.parallel.data_parallel import BucketedDataParallel, NaiveDataParallel, OverlapDataParallel
+from ultrascale.parallel.grads import LocalGrads
+
+
+def time_sync(reps=10, width=384, layers=8, batch=64, bucket_mb=1.0):
+    """Per rank, each mode on the same model and data: the fastest of `reps` timings (ms) of the forward and
+    of backward + gradient sync; and the same all-reduces with nothing else running."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)])
+
+    torch.manual_seed(1 + rank)
+    xb, yb = torch.randn(batch, width), torch.randn(batch, width)
+    owners = {"backward only": lambda ps: LocalGrads(ps),  # the engine's gradient owner, no communication
+              "naive": lambda ps: NaiveDataParallel(ps, "fp32", None, world),
+              "overlap": lambda ps: OverlapDataParallel(ps, "fp32", None, world),
+              "bucket": lambda ps: BucketedDataParallel(ps, "fp32", None, world, bucket_mb)}
+    runs = {}
+    for mode, make in owners.items():
+        m = net()
+        runs[mode] = (m, make(list(m.parameters())))
+    ddp = DDP(net())
+    runs["DDP, no_sync"] = runs["DDP"] = (ddp, None)
+    fwd, sync, alone = {k: [] for k in runs}, {k: [] for k in runs}, []
+    for r in range(reps + 2):  # 2 warm-up rounds (DDP rebuilds its buckets after the first)
+        for mode, (model, owner) in runs.items():
+            if owner is None:
+                ddp.zero_grad()
+            else:
+                owner.zero()
+            with ddp.no_sync() if mode == "DDP, no_sync" else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                loss = nn.functional.mse_loss(model(xb), yb)
+                t1 = time.perf_counter()
+                dist.barrier()  # both ranks start backward together
+                t2 = time.perf_counter()
+                loss.backward()  # DDP waits for its last bucket at the end of backward
+                if owner is not None:
+                    owner.finish()  # the engine: wait for (naive: run) the all-reduces
+                t3 = time.perf_counter()
+            if r >= 2:
+                fwd[mode].append((t1 - t0) * 1e3)
+                sync[mode].append((t3 - t2) * 1e3)
+        grads = [torch.randn_like(p) for p in ddp.parameters()]  # the same sizes, nothing else running
+        dist.barrier()
+        t0 = time.perf_counter()
+        for g in grads:
+            dist.all_reduce(g)
+        if r >= 2:
+            alone.append((time.perf_counter() - t0) * 1e3)
+    same = all(torch.allclose(p.main_grad, q.grad, rtol=1e-4, atol=1e-7)
+               for mode in ("naive", "overlap", "bucket")
+               for p, q in zip(runs[mode][0].parameters(), ddp.module.parameters()))
+
+    probe, ddp_buckets = DDP(net()), []  # how many buckets DDP makes here
+
+    def count(state, bucket):  # a comm hook: note the bucket, then DDP's default (average)
+        ddp_buckets.append(bucket.index())
+        buf = bucket.buffer().div_(world)
+        return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    probe.register_comm_hook(None, count)
+    for _ in range(2):  # the second iteration uses the rebuilt buckets
+        ddp_buckets.clear()
+        nn.functional.mse_loss(probe(xb), yb).backward()
+    return {"forward": {k: min(v) for k, v in fwd.items()}, "sync": {k: min(v) for k, v in sync.items()},
+            "alone": min(alone), "same": same, "params": sum(p.numel() for p in ddp.parameters()),
+            "tensors": len(list(ddp.parameters())), "buckets": len(runs["bucket"][1].buckets),
+            "ddp_buckets": len(ddp_buckets)}
+
+
+t0 = time.perf_counter()
+m = on_ranks(WORLD, time_sync)[0]
+sync, fwd = m["sync"], m["forward"]
+print(f"{m['params']:,} parameters in {m['tensors']} tensors ({m['params'] * 4 / 2**20:.1f} MiB of fp32 "
+      f"gradients), 2 ranks, rank 0, best of 10")
+print(f"the same all-reduces alone (one per tensor, nothing else running): {m['alone']:.1f} ms")
+print(f"{'mode':<30}{'fwd+bwd+sync':>13}{'bwd+sync':>11}{'exposed comm':>14}{'hidden vs naive':>17}")
+naive_exposed = sync["naive"] - sync["backward only"]
+labels = {"bucket": f"bucket ({m['buckets']} buckets, cap 1 MiB)",
+          "DDP": f"DDP ({m['ddp_buckets']} buckets, default caps)"}
+for mode, base in (("backward only", None), ("naive", "backward only"), ("overlap", "backward only"),
+                   ("bucket", "backward only"), ("DDP, no_sync", None), ("DDP", "DDP, no_sync")):
+    line = f"{labels.get(mode, mode):<30}{fwd[mode] + sync[mode]:>10.1f} ms{sync[mode]:>8.1f} ms"
+    if base is not None:
+        exposed = sync[mode] - sync[base]
+        line += f"{exposed:>11.1f} ms{1 - exposed / naive_exposed:>17.0%}"
+    print(line)
+print(f"every mode's averaged gradients equal DDP's: {m['same']}  ({time.perf_counter() - t0:.1f} s)")
 ''')
 
 NO_SYNC = code(r'''
-import contextlib
-
-
-def allreduce_calls(forward_inside_no_sync, accum=4):
-    """All-reduce calls DDP makes after each micro-batch of one optimizer step, and whether the
-    accumulated gradient equals the full-batch gradient."""
+def no_sync_calls(x, y, forward_inside, accum=4):
+    """DDP's all-reduce calls after each micro-batch of one optimizer step, on each rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    ddp = DDP(model)                  # uses the gloo process group created at the top
+    ddp = DDP(model)
     calls = []
 
-    def counting_hook(state, bucket):
-        # DDP's default (average the bucket across ranks), plus a note of each call.
-        calls.append(bucket.buffer().numel())
-        buf = bucket.buffer().div_(dist.get_world_size())
+    def counting(state, bucket):  # DDP's default (average the bucket), plus a note of each call
+        calls.append(bucket.index())
+        buf = bucket.buffer().div_(world)
         return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
-    ddp.register_comm_hook(None, counting_hook)
+    ddp.register_comm_hook(None, counting)
     after_each = []
-    for i, (xb, yb) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
-        last = i == accum - 1
-        quiet = contextlib.nullcontext() if last else ddp.no_sync()
-        if forward_inside_no_sync:
+    xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]           # this rank's 8 samples
+    for i, (xb, yb) in enumerate(zip(xs.chunk(accum), ys.chunk(accum))):
+        quiet = contextlib.nullcontext() if i == accum - 1 else ddp.no_sync()
+        if forward_inside:
             with quiet:
-                loss = loss_fn(ddp(xb), yb) / accum   # divide: the accumulated gradient must be a mean
+                loss = nn.MSELoss()(ddp(xb), yb) / accum           # divide: the accumulated gradient is a mean
                 loss.backward()
         else:
-            loss = loss_fn(ddp(xb), yb) / accum
-            with quiet:                              # only backward inside: too late
+            loss = nn.MSELoss()(ddp(xb), yb) / accum
+            with quiet:                                            # only backward inside: too late
                 loss.backward()
         after_each.append(len(calls))
-    same = all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(model.parameters(), single.parameters()))
-    return after_each, same
+    return after_each, [p.grad for p in model.parameters()]
 
 
 for inside, how in ((True, "forward + backward inside no_sync"), (False, "only backward inside no_sync     ")):
-    counts, same = allreduce_calls(inside)
-    print(f"{how}: all-reduce calls after each micro-batch {counts}, full-batch gradient: {same}")
+    results = on_ranks(WORLD, no_sync_calls, x, y, inside)
+    agree, _, same = compare([g for _, g in results], single_grads)
+    print(f"{how}: all-reduce calls after each micro-batch {results[0][0]}, ranks agree: {agree}, "
+          f"full-batch gradient: {same}")
 ''')
-
-GPU = code(r'''
-# Needs a GPU: the notebook runner skips this cell on a CPU-only machine.
-# The same model on CUDA; on a cluster each of the N processes started by torchrun
-# would call dist.init_process_group("nccl") and wrap its replica in DDP.
-device = torch.device("cuda", torch.cuda.current_device())
-gpu_model = make_model().to(device)
-loss_fn(gpu_model(x.to(device)), y.to(device)).backward()
-torch.cuda.synchronize()
-print("backward ran on", torch.cuda.get_device_name(device))
-''', needs_gpu=True)
 
 
 EPISODE = Episode(
@@ -215,26 +308,28 @@ EPISODE = Episode(
     slug="data_parallelism",
     subtitle="One replica per GPU, one averaged gradient, and three ways to stop waiting for the network",
     overview=[
-        "Data parallelism: the model replicated on every GPU, a different micro-batch on each, the gradients "
-        "**averaged** with an all-reduce before the optimizer step",
-        "Why the average of the replicas' gradients equals one model's gradient on the whole batch",
+        "Data parallelism on 2 real processes: the model replicated on every rank, a different micro-batch on "
+        "each, the gradients **averaged** with an all-reduce before the optimizer step",
         "The naive version waits for the whole backward pass before it communicates",
-        "Optimisation 1: overlap each gradient's all-reduce with the rest of the backward pass",
-        "Optimisation 2: bucket gradients by size - one all-reduce per bucket, the result written back "
-        "into `.grad`",
+        "Optimisation 1: overlap each gradient's all-reduce with the rest of backward (hooks, async "
+        "all-reduce) - and why a hook on top of DDP reduces twice",
+        "Optimisation 2: buckets - how PyTorch DDP really forms them, and the simpler rule you implement",
+        "Measured: backward + gradient sync for the engine's naive, overlap and bucket modes and for DDP, and "
+        "how much communication hides behind backward on a CPU",
         "Optimisation 3: with gradient accumulation, communicate once per optimizer step (`no_sync`)",
     ],
     references=[
-        Reference(3, "the all-reduce collective, from the parallel programming crash course"),
-        Reference(1, "the memory budget of a training step (communication buffers add to the peak)"),
+        Reference(3, "the all-reduce collective, and gradient accumulation (micro-batch losses averaged)"),
+        Reference(1, "the memory budget of a training step (gradient buckets add to it)"),
     ],
     sections=[
-        Section("Setup: one process, a real process group", [
+        Section("Setup: two real ranks", [
             md(r'''
-Everything in this notebook runs on a laptop CPU in a few seconds. `torch.distributed` works the same way
-with the **gloo** backend on CPU as with **NCCL** on GPUs, so we create a real process group - with a single
-process in it. Where we need to *see* several GPUs at once, we simulate them as a list of model replicas
-in this one process.
+Everything about several GPUs in this notebook runs on **2 real processes** joined in one `torch.distributed`
+process group (the **gloo** backend on CPU; GPUs use **NCCL**, with the same calls). `on_ranks(2, fn, ...)`
+runs the function `fn` of a cell on both processes, the way `torchrun --nproc-per-node 2` would, and returns
+what each rank returned. Inside `fn`, `dist.get_rank()`, `dist.all_reduce` and DDP work exactly as on a
+cluster. The processes are started once and reused by every cell.
 '''),
             SETUP,
         ]),
@@ -246,214 +341,277 @@ optimizer step they are combined with an **all-reduce**, so that every replica a
 the replicas stay identical.
 
 What must the all-reduce produce? With a mean loss and N equal micro-batches, the gradient of the whole
-batch is the **average** of the micro-batch gradients $g_r$ (each the gradient of the mean loss on rank
-$r$'s micro-batch):
+batch is the **average** of the micro-batch gradients $g_r$:
 
 $$g_{\text{batch}} = \frac{1}{N}\sum_{r=1}^{N} g_r$$
 
-But `dist.all_reduce` **sums** by default (`ReduceOp.SUM`). Let us see what a plain sum gives, with 4
-simulated ranks and one model trained on the whole batch as the reference.
+But `dist.all_reduce` **sums** by default (`ReduceOp.SUM`). Both ranks below train on their half of a
+16-sample batch; the reference is one model trained on all 16 samples in this process.
+'''),
+            REPLICAS,
+            md(r'''
+The summed gradient is 2x too large - N times too large on N GPUs. With plain SGD that is N times the
+learning rate; Adam's update is nearly blind to the gradient's scale and gradient clipping caps it, which
+makes the bug easy to miss. Every data-parallel implementation **averages**: divide by N before or after
+the sum (gloo has no `ReduceOp.AVG`; NCCL does).
 
 > In the playbook's figure of the DP timeline, the numbered boxes are the model's **layers** on one GPU
 > (backward visits them in reverse), not GPUs.
 '''),
-            REPLICAS,
-            md(r'''
-The summed gradient is 4x too large - N times too large on N GPUs. Training would behave as if the learning
-rate were multiplied by the number of GPUs. The all-reduce must be followed (or preceded) by a division by
-N: every data-parallel implementation **averages**. (NCCL also offers `ReduceOp.AVG`; gloo does not, so we
-divide.) Exercise 1 asks you to fix this.
-'''),
         ]),
         Section("The naive version waits for the whole backward pass", [
             md(r'''
-The simplest DP waits until backward is completely done, then all-reduces every gradient, then steps.
-While the gradients travel, the GPUs have nothing to do. Yet backward produces gradients **last layer
-first**, and those are final long before backward reaches the first layer:
+The simplest DP runs backward to the end, then all-reduces every gradient, then steps. While the gradients
+travel, the GPU computes nothing, and while it computes, the network carries nothing. Yet backward produces
+gradients **last layer first**, and those are final long before backward reaches the first layer:
 '''),
             ORDER,
             md(r'''
-So the all-reduce of the last layers could start while backward is still computing the earlier ones. A toy
-timeline shows what that is worth: only the communication that outlasts the backward pass stays exposed.
+So the all-reduce of the last layers' gradients could start while backward still computes the earlier ones.
+(This is a different problem from gradient accumulation's "one all-reduce per micro-batch", which is the
+third optimisation below.)
 '''),
-            TIMELINE,
         ]),
         Section("Optimisation 1: overlap communication with the backward pass", [
             md(r'''
-Attach a hook to every parameter that starts an **asynchronous** all-reduce of its gradient the moment the
-gradient is ready. Backward keeps computing while the network moves the gradients, and before
-`optimizer.step()` we wait for all of them. Two details matter:
+`p.register_post_accumulate_grad_hook(hook)` makes autograd call `hook(p)` the moment `p.grad` is complete.
+The hook starts an **asynchronous** all-reduce, `dist.all_reduce(p.grad, async_op=True)`, which returns a
+`Work` handle at once; backward goes on with the earlier layers while the gradient travels. Before
+`optimizer.step()`, wait for every handle. Every rank runs the same graph, so the hooks fire in the same order
+on every rank and the collectives pair up. You write exactly this in **Exercise 1**; the engine's
+`--dp-mode overlap` is the same idea (`ultrascale.parallel.data_parallel.OverlapDataParallel`).
 
-- **average**: divide by the world size (before the all-reduce, which keeps low-precision sums in range);
-- **never on top of DDP**: DDP already does exactly this internally (with buckets, below). A hook on a
-  DDP-wrapped model reduces every gradient a second time - and timing "the hook on top of DDP" measures
-  nothing meaningful.
+**Never put such a hook on top of DDP.** DDP already registers its own gradient hooks and averages every
+gradient across the ranks. The example notebook this series started from did exactly that, with a `SUM`
+hook. On 2 real ranks:
 '''),
-            OVERLAP,
+            HOOK_ON_DDP,
+            md(r'''
+What happened: the extra hook runs when the gradient is accumulated, before DDP copies it into its bucket, so
+DDP averages gradients that were already summed - the result is the sum, N times the right value. With an
+averaging hook the values come out right only because averaging an average changes nothing, and every
+gradient still crosses the network twice. Timing "the speed-up of the hook on top of DDP" therefore measures
+nothing meaningful: use DDP *or* your own hooks.
+'''),
         ]),
         Section("Optimisation 2: bucket gradients by size", [
             md(r'''
 One all-reduce per parameter pays the fixed cost of a collective (launch, latency) once per parameter -
-hundreds of times per step for an LLM. GPUs and networks are far more efficient on a few large messages,
-so DDP packs gradients into **buckets** and launches **one all-reduce per bucket**. Think of packing items
-into boxes before shipping: a few big boxes travel better than many small ones.
+hundreds of times per step for an LLM. Networks move a few large messages far better than many small ones,
+so gradients are packed into **buckets**, one contiguous flat buffer each, and each bucket is all-reduced
+with **one** call as soon as its last gradient is ready: the overlap of optimisation 1 with fewer, larger
+messages. The buffers are allocated once and kept, so they add to training memory.
 
-How buckets are formed (in PyTorch DDP, in picotron's bucketed DP, and in `ultrascale.parallel.buckets`):
-
-- **by size**, not per layer: parameters are added in **backward order** (last layer first) until the
-  bucket reaches `bucket_cap_mb` (25 MB by default); a parameter bigger than the cap gets a bucket of its
-  own;
-- the **last bucket** is usually smaller than the cap, and it is all-reduced too;
-- a bucket is one **contiguous** flat buffer, so the collective sends a single message. DDP copies each
-  gradient into its bucket and, after the all-reduce, the result back into `.grad` (with
-  `gradient_as_bucket_view=True`, each `.grad` *is* a view into its bucket and no copy is needed). A buffer
-  built with `torch.cat` is a **copy** too: after the all-reduce its values must be copied back into every
-  `.grad`, or the optimizer never sees them;
-- as soon as the last gradient of a bucket is ready, the bucket's all-reduce starts - the overlap of
-  optimisation 1, with fewer, larger messages.
-
-The buffers are allocated once and kept for the whole run: they speed up communication but add to the peak
-memory of training (the memory budget of Part 1).
-
-Here is what real DDP does with a 6-layer model for a few caps - one `Linear(256, 256)` is about 0.25 MB:
+How does PyTorch DDP (torch 2.13) actually assign parameters to buckets? A comm hook sees every bucket it
+all-reduces, so we can ask it, on the 2 ranks, for the model of Exercise 2 and a cap of 300 fp32 elements,
+and for a 6-layer model with the default caps:
 '''),
             DDP_BUCKETS,
+            md(r'''
+What the measurement shows about DDP:
+
+- **Iteration 1: one bucket with every parameter, in registration order.** Without
+  `find_unused_parameters`, DDP does not guess the backward order: it waits for one backward, then
+  **rebuilds** the buckets in the order the gradients actually arrived (here, the reverse of registration).
+- **A bucket is closed once it reaches the cap**: the parameter that crosses the cap stays in, so a bucket
+  can be larger than `bucket_cap_mb` (340 elements against 300 above; four 0.25 MiB layers against 1 MiB).
+- **The first bucket is small by default**: with the default `bucket_cap_mb` (25 MiB), the first bucket after
+  the rebuild is capped at `dist._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB), so the first all-reduce starts early;
+  passing `bucket_cap_mb` explicitly gives the first bucket that same cap.
+- The logged `bucket_sizes` are the initial assignment (one bucket), not the rebuilt one.
+
+**Exercise 2 uses a simpler, explicit rule** (the one of the engine's `ultrascale.parallel.buckets.make_buckets`):
+walk the parameters **last to first** (the reverse of registration, which for these models is the order
+backward produces them); put each into the current bucket **unless adding it would take the bucket over the
+cap**, in which case close the bucket first; a parameter larger than the cap on its own gets a bucket of its
+own; **keep the last, partial bucket**. So no bucket ever exceeds the cap unless it holds a single parameter;
+there is no special first bucket, and no rebuild. With the cap of 300 elements, DDP's first bucket above takes
+`2.weight` and reaches 340; under the exercise's rule, `2.weight` starts the next bucket instead.
+
+Two more rules, in DDP and in the exercise: a bucket is one **contiguous** buffer, so the collective sends a
+single message; a buffer built with `torch.cat` is a **copy**, so after the all-reduce its values must be
+copied back into every `.grad` (DDP with `gradient_as_bucket_view=True` avoids the copy: each `.grad` is a
+view into its bucket).
+'''),
+        ]),
+        Section("Measured: what each mode costs on two CPU ranks", [
+            md(r'''
+Now the three modes of the engine (`ultrascale.parallel.data_parallel`, the classes behind
+`ultrascale train --nproc 2 --dp 2 --dp-mode naive|overlap|bucket`) and PyTorch DDP, on the same
+8-layer MLP and the same data, on the 2 ranks. For each, we time the forward and **backward plus the
+gradient sync** (backward, then `finish()`, which waits for or, in naive mode, performs the all-reduces);
+their sum is the step without the optimizer, which is the same in every mode. We compare with
+**backward alone** (no communication; for DDP: backward inside `no_sync()`). The difference is the
+communication left **exposed**. Naive hides nothing by construction, so the share of naive's exposed time
+that a mode no longer shows is what it **hid** behind backward. Each figure is the fastest of 10
+repetitions, the one least disturbed by other programs.
+'''),
+            TIMING,
+            md(r'''
+How to read it, and the limits of a CPU measurement:
+
+- **Naive** pays backward, then all the communication. Its exposed time is what communication costs when
+  nothing overlaps; it can exceed the same all-reduces measured alone, because the first all-reduce also
+  waits for the slower rank to finish backward (a straggler costs every rank).
+- **Overlap, bucket and DDP** start communicating during backward. How much they hide depends on the
+  hardware. With gloo on a CPU, an all-reduce is partly CPU work (gloo's threads copy and sum every byte,
+  competing with backward for the same cores) and partly waiting for the other process; the waiting can hide
+  behind backward, the CPU work only where a core is free. This machine has 2 cores for 2 ranks, shared with
+  other programs, so the figures change from run to run (run the cell again): read them as orders of
+  magnitude, not as a benchmark. On GPUs, NCCL moves the data with its own kernels and the network card while
+  the GPU computes, and backward is long, so most of the all-reduce can hide.
+- **DDP with its default caps** makes 2 buckets for a model this small: about 1 MiB (the last layers), then
+  everything else, which can only start when backward is done; the engine's 1 MiB buckets start earlier. On
+  the other hand DDP's reducer is C++, while the engine's and your hooks run Python for every tensor. Which
+  wins by a few milliseconds here is within the noise. On a real LLM (gigabytes of gradients) 25 MiB buckets
+  are small, and DDP overlaps well.
+- **Buckets** also cut the number of collectives (one per bucket instead of one per tensor), which is what
+  matters when each call has a fixed cost, such as the latency of a message across nodes.
+'''),
         ]),
         Section("Optimisation 3: gradient accumulation and `no_sync`", [
             md(r'''
-Gradient accumulation runs several micro-batches through forward and backward before one optimizer step,
-adding up their gradients in `.grad`. Combined with DP, the naive implementation all-reduces after **every**
-micro-batch's backward - but the optimizer only needs the gradients once, at the end. DDP's `no_sync()`
-context turns communication off: backward passes inside it only accumulate locally. The **first backward
-outside** the context all-reduces everything accumulated so far, in one go. This is a different problem
-from the idle time above: that was about *when* in one backward to communicate; this is about
-communicating once per optimizer step instead of once per micro-batch.
+Gradient accumulation (Part 3) runs several micro-batches through forward and backward before one optimizer
+step, adding up their gradients in `.grad`. With DP, the naive combination all-reduces after **every**
+micro-batch's backward - but the optimizer only needs the gradients once. DDP's `no_sync()` context turns
+communication off: backward passes inside it only accumulate locally, and the **first backward outside** the
+context all-reduces everything accumulated so far, in one go.
 
 Two details decide whether it works:
 
-- DDP decides **at forward time** whether the coming backward communicates, so the **forward** pass must run
+- DDP decides **at forward time** whether the coming backward communicates, so the **forward** must run
   inside `no_sync()` too; wrapping only `loss.backward()` still all-reduces every micro-batch;
 - each micro-batch's loss is divided by the number of micro-batches, so the accumulated gradient is a mean.
+
+Each rank below runs its 8 samples as 4 micro-batches of 2; the small model's gradients fit in one bucket:
 '''),
             NO_SYNC,
             md(r'''
-Done right, three micro-batches pass without communication and the fourth reduces everything at once; the
-result is the gradient of the whole batch either way (with a single process there is nobody to disagree
-with), but the wrong way pays for four all-reduces instead of one.
+Done right, three micro-batches pass without communication and the fourth reduces all four at once. Done
+wrong, the result is the same gradient (averaging identical accumulated values changes nothing) at 4 times
+the communication. The engine's trainer runs all but the last micro-batch inside `no_sync()`.
 
-On a GPU machine the same code runs on CUDA and NCCL. The next cell is tagged `needs-gpu`: the notebook
-runner skips it on a CPU-only machine.
+On GPUs the code of this notebook is the same with `dist.init_process_group("nccl")` and the model on
+`cuda:<local rank>`; nothing here needs a GPU.
 '''),
-            GPU,
         ]),
     ],
     exercises=[
         Exercise(
-            title="Average, don't sum",
+            title="Overlapped data parallelism with hooks",
             instructions=r'''
-Write `data_parallel_grads`: data parallelism on simulated ranks. Each replica runs forward and backward on
-its own chunk of the batch (given), then every parameter's gradient is all-reduced across the replicas
-with `all_reduce_sum` (defined above; it sums, like `dist.all_reduce`) and turned into the **average**.
-Afterwards every replica's `.grad` must equal the gradient one model gets on the whole batch.
+Write `overlapped_data_parallel(model, x, y, loss_fn)`: one data-parallel backward, run on **every rank**
+with that rank's micro-batch `(x, y)`. No DDP: you write what it does.
 
-Run the cell, then the check below it.
+- register a post-accumulate-grad hook on every parameter; in it, turn `p.grad` into its share of the
+  average (`dist.all_reduce` sums) and start `dist.all_reduce(p.grad, async_op=True)`; keep the returned
+  `Work`;
+- run forward and `loss.backward()` - the all-reduces start during backward;
+- wait for every `Work` (the optimizer step comes next), and remove the hooks.
+
+The check runs your function on **2 real ranks** (each with half of a batch) and compares every `p.grad`
+with one process trained on the whole batch. It also watches your collectives: once per gradient, started
+during backward, asynchronous, waited for.
 ''',
             starter=r'''
-def data_parallel_grads(replicas, x, y, loss_fn, all_reduce_sum):
-    """Data parallelism on simulated ranks: world = len(replicas).
+def overlapped_data_parallel(model, x, y, loss_fn):
+    """One data-parallel backward on this rank; (x, y) is this rank's micro-batch.
 
-    Rank r trains on x.chunk(world)[r], y.chunk(world)[r]. all_reduce_sum(list_of_tensors)
-    leaves every tensor holding the sum over the ranks. Afterwards every replica's .grad
-    equals one model's gradient on the whole batch (x, y).
+    Afterwards every p.grad holds the average over the ranks of that gradient, the same on every
+    rank, reduced by asynchronous all-reduces started during backward.
     """
-    world = len(replicas)
-    for r, (xb, yb) in enumerate(zip(x.chunk(world), y.chunk(world))):
-        loss_fn(replicas[r](xb), yb).backward()
-    # TODO: all-reduce each parameter's gradient across the replicas (the same parameter of
-    # every replica together), then turn the sum into the average.
+    world = dist.get_world_size()
+    pending = []  # the Work handle of each asynchronous all-reduce
+
+    def on_grad_ready(p):
+        # Autograd calls this the moment p.grad is complete; backward then goes on with earlier layers.
+        # TODO: average p.grad over the ranks with an asynchronous all-reduce; keep its Work in `pending`
+        pass
+
+    # TODO: register on_grad_ready on every parameter (keep the handles)
+    loss_fn(model(x), y).backward()
+    # TODO: wait for every all-reduce in `pending`, then remove the hooks
     raise NotImplementedError
 ''',
             solution=r'''
-def data_parallel_grads(replicas, x, y, loss_fn, all_reduce_sum):
-    """Data parallelism on simulated ranks: world = len(replicas).
+def overlapped_data_parallel(model, x, y, loss_fn):
+    """One data-parallel backward on this rank; (x, y) is this rank's micro-batch.
 
-    Rank r trains on x.chunk(world)[r], y.chunk(world)[r]. all_reduce_sum(list_of_tensors)
-    leaves every tensor holding the sum over the ranks. Afterwards every replica's .grad
-    equals one model's gradient on the whole batch (x, y).
+    Afterwards every p.grad holds the average over the ranks of that gradient, the same on every
+    rank, reduced by asynchronous all-reduces started during backward.
     """
-    world = len(replicas)
-    for r, (xb, yb) in enumerate(zip(x.chunk(world), y.chunk(world))):
-        loss_fn(replicas[r](xb), yb).backward()
-    for params in zip(*(m.parameters() for m in replicas)):
-        grads = [p.grad for p in params]
-        all_reduce_sum(grads)
-        for g in grads:
-            g.div_(world)  # the all-reduce summed: divide to average
+    world = dist.get_world_size()
+    pending = []  # the Work handle of each asynchronous all-reduce
+
+    def on_grad_ready(p):
+        p.grad.div_(world)  # all_reduce sums: dividing first makes the sum the average
+        pending.append(dist.all_reduce(p.grad, async_op=True))
+
+    handles = [p.register_post_accumulate_grad_hook(on_grad_ready) for p in model.parameters() if p.requires_grad]
+    loss_fn(model(x), y).backward()
+    for work in pending:
+        work.wait()
+    for h in handles:
+        h.remove()
 ''',
             check=r'''
-for world in (2, 4):
-    torch.manual_seed(world)
-    xs, ys = torch.randn(8 * world, 16), torch.randn(8 * world, 4)
-    reference = make_model()
-    nn.MSELoss()(reference(xs), ys).backward()
-    reps = [make_model() for _ in range(world)]
-    data_parallel_grads(reps, xs, ys, nn.MSELoss(), all_reduce_sum)
-    for r, rep in enumerate(reps):
-        for (name, p), q in zip(rep.named_parameters(), reference.parameters()):
-            assert p.grad is not None, f"replica {r} has no gradient for {name}: run backward on every replica"
-            ratio = (p.grad.norm() / q.grad.norm()).item()
-            assert abs(ratio - world) > 0.01, (
-                f"with {world} replicas the gradients are {ratio:.2f}x the single-model gradient: "
-                f"all-reduce sums - divide by the number of replicas")
-    for r, rep in enumerate(reps[1:], 1):
-        for (name, p), q in zip(rep.named_parameters(), reps[0].parameters()):
-            assert torch.allclose(p.grad, q.grad, atol=1e-6), (
-                f"replica {r}'s gradient of {name} differs from replica 0's: every replica must end "
-                f"with the same all-reduced gradient")
-    for (name, p), q in zip(reps[0].named_parameters(), reference.parameters()):
-        err = (p.grad - q.grad).abs().max().item()
-        assert err < 1e-5, (
-            f"with {world} replicas the gradient of {name} is off by up to {err:.2e} from the single model's "
-            f"full-batch gradient: reduce each parameter over all replicas exactly once and average")
+from ultrascale.series.checks import part4
+part4.exercise_1(overlapped_data_parallel)
 ''',
+            hints=[
+                "`p.register_post_accumulate_grad_hook(on_grad_ready)` returns a handle (for `.remove()`); "
+                "autograd then calls `on_grad_ready(p)` during backward with `p.grad` complete. "
+                "`dist.all_reduce(t, async_op=True)` returns a `Work` at once and reduces `t` in place.",
+                "The all-reduce **sums** over the ranks: divide `p.grad` by `world` (dividing before the sum "
+                "is fine: the sum of halves is the mean). Do not wrap the model in DDP - it already reduces "
+                "every gradient, and yours would reduce them a second time.",
+                "In the hook: `p.grad.div_(world)` then `pending.append(dist.all_reduce(p.grad, "
+                "async_op=True))`. Before backward: `handles = [p.register_post_accumulate_grad_hook("
+                "on_grad_ready) for p in model.parameters()]`. After: `for w in pending: w.wait()`, then "
+                "`h.remove()` for each handle.",
+            ],
         ),
         Exercise(
-            title="Buckets by size",
+            title="Buckets by size, on two ranks",
             instructions=r'''
-Write `bucketed_all_reduce`, the heart of DDP's bucketing: one all-reduce per **bucket** instead of one per
-gradient.
+Write `bucketed_all_reduce(params, cap_numel)`, the heart of bucketing: it runs on **every rank** after
+backward, with `params` in registration order (each with its `.grad`), and averages every gradient over the
+ranks with **one all-reduce per bucket**. The rule (the engine's, not DDP's - see the section on buckets):
 
-- Walk the parameters in **backward order** (last one first) and fill a bucket until adding the next
-  parameter would exceed `cap_numel` elements; then start a new bucket. A parameter larger than the cap gets
-  a bucket of its own. Keep the last, partial bucket.
-- For each bucket, flatten its gradients into **one contiguous 1-D buffer**, call `all_reduce(buffer)` once
-  (it reduces in place, like `dist.all_reduce`), and **write the reduced values back** into each `p.grad`.
+1. walk the parameters **last to first** (`reversed(params)`);
+2. add each to the current bucket, unless the bucket is not empty and adding it would make the bucket hold
+   **more than `cap_numel` elements**: then close the bucket and start a new one with this parameter (so a
+   parameter larger than the cap sits alone);
+3. after the loop, close the **last, partial bucket** too;
+4. for each bucket, in that order: one flat, contiguous 1-D buffer of its gradients (flattened, in bucket
+   order), divided by the world size, **one** `dist.all_reduce(buffer)`, and each slice **copied back** into
+   its `p.grad`.
 
-The check uses a stand-in collective that adds 1 to every element, so it can tell which gradients were
-reduced, how often, and in which bucket.
+The check runs it on **2 real ranks** with the model of the bucket section (parameters of 128, 16, 256, 16,
+64 and 4 elements) for two caps, reads your buckets from the buffers your all-reduces send, and compares
+every `p.grad` with one process trained on the whole batch.
 ''',
             starter=r'''
-def bucketed_all_reduce(params, cap_numel, all_reduce):
-    """One all_reduce call per bucket of gradients.
+def bucketed_all_reduce(params, cap_numel):
+    """Average every p.grad over the ranks with one all-reduce per bucket (the rule above).
 
-    params: parameters in registration order, each with .grad set
-    cap_numel: the most elements a bucket may hold (a larger parameter gets its own bucket)
-    all_reduce(buffer): reduces a flat, contiguous 1-D tensor in place
-    Afterwards every p.grad holds its reduced values.
+    params: the parameters in registration order, each with .grad set
+    cap_numel: the most elements a bucket may hold (a larger parameter gets a bucket of its own)
     """
-    # TODO: group the parameters into buckets, in backward order, by size
-    # TODO: per bucket: one flat buffer, one all_reduce, the results back into each p.grad
+    world = dist.get_world_size()
+    # TODO: group the parameters into buckets: last parameter first, a new bucket when the next one
+    #       would take the current bucket over cap_numel elements; keep the last, partial bucket
+    # TODO: per bucket: one flat buffer, divided by world, one dist.all_reduce, each slice back into p.grad
     raise NotImplementedError
 ''',
             solution=r'''
-def bucketed_all_reduce(params, cap_numel, all_reduce):
-    """One all_reduce call per bucket of gradients.
+def bucketed_all_reduce(params, cap_numel):
+    """Average every p.grad over the ranks with one all-reduce per bucket (the rule above).
 
-    params: parameters in registration order, each with .grad set
-    cap_numel: the most elements a bucket may hold (a larger parameter gets its own bucket)
-    all_reduce(buffer): reduces a flat, contiguous 1-D tensor in place
-    Afterwards every p.grad holds its reduced values.
+    params: the parameters in registration order, each with .grad set
+    cap_numel: the most elements a bucket may hold (a larger parameter gets a bucket of its own)
     """
+    world = dist.get_world_size()
     buckets, current, size = [], [], 0
     for p in reversed(params):  # backward order: the last layer's gradients are ready first
         if current and size + p.numel() > cap_numel:
@@ -465,95 +623,78 @@ def bucketed_all_reduce(params, cap_numel, all_reduce):
         buckets.append(current)  # the last bucket, usually smaller than the cap
     for bucket in buckets:
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # a copy: one contiguous message
-        all_reduce(flat)
+        flat.div_(world)
+        dist.all_reduce(flat)
         offset = 0
         for p in bucket:  # torch.cat copied, so write the reduced values back
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
             offset += p.numel()
 ''',
             check=r'''
-torch.manual_seed(2)
-net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-params = list(net.parameters())  # 128, 16, 256, 16, 64 and 4 elements
-names = [n for n, _ in net.named_parameters()]
-for p in params:
-    p.grad = torch.randn_like(p)
-before = [p.grad.clone() for p in params]
-sent = []
-
-def plus_one(buf):
-    assert buf.dim() == 1 and buf.is_contiguous(), (
-        "all_reduce needs one flat, contiguous 1-D buffer per bucket: torch.cat the flattened gradients")
-    sent.append(buf.clone())
-    buf.add_(1)
-
-cap = 300
-bucketed_all_reduce(params, cap, plus_one)
-assert sent, "all_reduce was never called"
-twice = [n for n, p, b in zip(names, params, before) if torch.allclose(p.grad, b + 2)]
-assert not twice, f"{twice} were reduced twice: each gradient belongs to exactly one bucket"
-if all(torch.equal(p.grad, b) for p, b in zip(params, before)):
-    raise AssertionError("all_reduce ran but no .grad changed: torch.cat makes a copy - copy each slice of "
-                         "the reduced buffer back into its p.grad")
-missed = [n for n, p, b in zip(names, params, before) if not torch.allclose(p.grad, b + 1)]
-assert not missed, (f"{missed} were never reduced (or not written back): did you drop the last, partial "
-                    f"bucket? It needs its all-reduce too")
-expected, current, size = [], [], 0
-for i in reversed(range(len(params))):
-    if current and size + params[i].numel() > cap:
-        expected.append(current)
-        current, size = [], 0
-    current.append(i)
-    size += params[i].numel()
-expected.append(current)
-assert len(sent) == len(expected), (
-    f"expected {len(expected)} all-reduce calls (one per bucket of at most {cap} elements), got {len(sent)}")
-for k, (buf, idx) in enumerate(zip(sent, expected)):
-    want = torch.cat([before[i].reshape(-1) for i in idx])
-    assert buf.numel() == want.numel() and torch.equal(buf, want), (
-        f"bucket {k} should hold {[names[i] for i in idx]} in that order: fill buckets by size "
-        f"(not per layer) in backward order, last parameter first")
+from ultrascale.series.checks import part4
+part4.exercise_2(bucketed_all_reduce)
 ''',
+            hints=[
+                "Two phases: first build a list of buckets (lists of parameters) with a running element "
+                "count; only then communicate. The test `current and size + p.numel() > cap_numel` decides "
+                "when to close a bucket *before* adding `p`.",
+                "`torch.cat([p.grad.reshape(-1) for p in bucket])` is one contiguous 1-D buffer, but a copy: "
+                "after `dist.all_reduce(flat)` (which sums - divide by `world`), walk the bucket with an "
+                "offset and `p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))`. Do not forget "
+                "the bucket still open when the loop ends.",
+                "Loop: `for p in reversed(params): if current and size + p.numel() > cap_numel: "
+                "buckets.append(current); current, size = [], 0` then `current.append(p); size += "
+                "p.numel()`; after it `if current: buckets.append(current)`. Then per bucket: cat, `div_(world)`, "
+                "`dist.all_reduce`, copy the slices back.",
+            ],
         ),
     ],
     quiz=[
         QuizQuestion(
-            "Four replicas each compute the gradient of the mean loss on their own 8 samples. What must the "
-            "all-reduce leave on every replica so that they all take the step one model would take on all 32 "
-            "samples?",
-            ["The sum of the four gradients", "The average of the four gradients", "Rank 0's gradient",
-             "The largest of the four gradients"],
+            "Two ranks each compute the gradient of the mean loss on their own 8 samples. What must the "
+            "all-reduce leave on every rank so that both take the step one model would take on all 16 samples?",
+            ["The sum of the two gradients", "The average of the two gradients", "Rank 0's gradient",
+             "The larger of the two gradients"],
             1,
-            "The mean-loss gradient over 32 samples is the mean of the four 8-sample gradients; a sum is 4x too "
-            "large.",
+            "The mean-loss gradient over 16 samples is the mean of the two 8-sample gradients; the sum measured "
+            "above is 2.000x too large.",
         ),
         QuizQuestion(
-            "What makes naive data parallelism waste GPU time?",
+            "What makes naive data parallelism waste time?",
             ["It all-reduces activations as well as gradients",
-             "It waits for the whole backward pass before communicating, so GPUs idle during the all-reduce",
+             "It waits for the whole backward pass before communicating, so computation and communication "
+             "never run at the same time",
              "It runs the replicas' forward passes one after another",
              "It recomputes the forward pass during backward"],
             1,
-            "The last layers' gradients are ready early; overlapping their all-reduce with the rest of backward "
-            "hides most of the communication.",
+            "The last layers' gradients are ready early; starting their all-reduce during the rest of backward "
+            "hides communication behind computation (on GPUs, most of it).",
         ),
         QuizQuestion(
-            "How does PyTorch DDP decide which gradients share a bucket?",
-            ["One bucket per layer", "By size: parameters in backward order until `bucket_cap_mb` is reached",
-             "One bucket for the whole model", "At random, to balance the buckets"],
-            1,
-            "Buckets fill in the order gradients become ready, up to the cap (25 MB by default); the last one may "
-            "be smaller and is reduced too.",
-        ),
-        QuizQuestion(
-            "With 4 micro-batches per optimizer step, the first 3 backward passes run inside `ddp.no_sync()`. "
-            "When are the gradients all-reduced?",
-            ["After each of the 4 backward passes", "Never during this step: `no_sync` turned it off",
-             "In the 4th backward pass, outside `no_sync`, together with everything accumulated",
-             "Inside `optimizer.step()`"],
+            "Which statement about PyTorch DDP's gradient buckets (torch 2.13, `find_unused_parameters=False`) "
+            "is true?",
+            ["There is one bucket per layer",
+             "Buckets never hold more than `bucket_cap_mb`",
+             "From the second iteration, buckets follow the order gradients arrived in; a bucket is closed once "
+             "it reaches the cap, so it can exceed it; with the default cap the first bucket is limited to 1 MiB",
+             "The first iteration already uses buckets of `bucket_cap_mb` in backward order"],
             2,
-            "`no_sync` only skips communication; the first backward outside it reduces the accumulated gradients "
-            "once.",
+            "Measured in the bucket section: one bucket in iteration 1, then rebuilt buckets of 340 elements "
+            "against a 300-element cap, and a first bucket of four 0.25 MiB layers (1.004 MiB) for the 1 MiB "
+            "first-bucket cap.",
+        ),
+        QuizQuestion(
+            "Each rank accumulates 4 micro-batches per optimizer step; forward and backward of the first 3 run "
+            "inside `ddp.no_sync()`, the 4th outside. The model's gradients fit in one bucket. How many "
+            "all-reduces does DDP run in this step, and when?",
+            ["4, one at the end of each micro-batch's backward",
+             "None: `no_sync` turned communication off for the step",
+             "1, during the 4th backward (outside `no_sync`), reducing the gradients accumulated over all 4 "
+             "micro-batches",
+             "1, inside `optimizer.step()`"],
+            2,
+            "Measured above: [0, 0, 0, 1]. Only with the forward outside `no_sync` (just backward inside) does "
+            "DDP still reduce every micro-batch: [1, 2, 3, 4].",
         ),
     ],
 )
