@@ -117,6 +117,12 @@ for n in (1, 2, 4, 8, 16, 32, 64):
     k8 = (2 + 2 + 8 / n) * P
     print(f"{n:>3} {t['params'] / GiB:7.1f} {t['grads'] / GiB:7.1f} {t['optim'] / GiB:7.1f} {states / GiB:7.1f} | "
           f"{k12 / GiB:12.1f} {k8 / GiB:11.1f}")
+
+# The saving of ZeRO-1 over plain DP per GPU: the planner's, and what k = 8 would claim.
+dp_states = sum(memory_plan(shape, Layout(dp=64, zero=0, micro_batch=1, seq_len=4096, precision="bf16"),
+                            framework).peak.terms[k] for k in ("params", "grads", "optim"))
+print(f"ZeRO-1 on 64 GPUs saves {(dp_states - states) / GiB:.1f} GiB per GPU (planner); "
+      f"k = 8 would claim {8 * P * (1 - 1 / 64) / GiB:.1f} GiB")
 ''')
 
 PLANNER_CLI = code(r'''
@@ -133,14 +139,6 @@ mem = json.loads(out)["memory"]
 print("ultrascale plan memory --model llama3-8b --dp 8 --zero 1: optimizer states per GPU "
       f"{mem['optim'] / 2**30:.1f} GiB, parameters {mem['params'] / 2**30:.1f} GiB, gradients {mem['grads'] / 2**30:.1f} GiB")
 ''')
-
-GPU = code(r'''
-# On a GPU the same states live in HBM; the allocator sees them (and everything else) at once.
-state = torch.zeros(psi, device="cuda", dtype=torch.float32)  # one fp32 copy of the tiny model: 4 bytes x psi
-print(f"fp32 copy of {psi:,} parameters: {torch.cuda.memory_allocated() / psi:.2f} bytes per parameter allocated "
-      f"on {torch.cuda.get_device_name()}")
-''', needs_gpu=True)
-
 
 EX1_STARTER = r'''
 def shard_parameters(params):
@@ -259,7 +257,7 @@ with mixed-precision AdamW, each rank holds:
 | owner | bytes per parameter | what |
 | --- | --- | --- |
 | parameters | 2 | bf16 weights the forward and backward use |
-| gradients | 2 (bf16) or 4 (fp32) | the playbook's recipe reduces bf16 gradients; this engine, like Megatron's default, accumulates them in fp32 |
+| gradients | 2 (bf16) or 4 (fp32) | the playbook's recipe keeps bf16 gradients; this engine, like Megatron-LM with bf16, accumulates and reduces them in fp32 |
 | optimizer states | $k = 12$ | fp32 **master weights** (4) + Adam's first moment (4) + second moment (4) |
 
 The optimizer states are by far the largest owner, and every rank holds an identical copy of them. The next
@@ -288,8 +286,8 @@ slice. One step:
 4. **all-gather** the updated slices (cast to bf16) so every rank has all the parameters for the next forward.
 
 Reduce-scatter followed by all-gather *is* an all-reduce (a ring all-reduce is exactly these two phases,
-Part 3), so ZeRO-1 moves the same bytes as DP's all-reduce: the memory saving is almost free. On 2 real
-ranks:
+Part 3), so ZeRO-1 moves no more bytes than DP's all-reduce (Part 7 counts them): the memory saving is
+almost free. On 2 real ranks:
 '''),
             COLLECTIVES,
             md(r'''
@@ -335,10 +333,6 @@ ZeRO at all (Part 2's recomputation, and later parallelisms, deal with them).
 The command line gives the same figures for one layout:
 '''),
             PLANNER_CLI,
-            md(r'''
-On a GPU the same tensors live in HBM. The next cell only runs where CUDA is available.
-'''),
-            GPU,
         ]),
     ],
     exercises=[

@@ -190,7 +190,7 @@ from ultrascale.series.checks.part7 import root_params
 kept = root_params(get_preset("tiny"))
 print(f"root unit, kept gathered from forward to backward: {kept:,} of {psi:,} parameters ({kept / psi:.1%})")
 for zero, label in ((0, "DP"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")):
-    print(f"{label:6s}: {elements[zero, 1] / psi:.2f} psi elements per micro-batch step | bytes sent "
+    print(f"{label:6s}: {elements[zero, 1] / psi:.2f} psi elements per step (1 micro-batch) | bytes sent "
           f"{sent[zero, 1] / sent[0, 1]:.2f}x DP's | with 2 micro-batches: {sent[zero, 2] / sent[zero, 1]:.2f}x its own "
           f"1-micro-batch bytes")
 print(f"ZeRO-3 without the kept root would be 3 psi; with it: 3 - {kept / psi:.2f} = {3 - kept / psi:.2f} psi")
@@ -345,7 +345,7 @@ EPISODE = Episode(
         "ZeRO-3 (FSDP): parameters sharded, all-gathered just before each block's forward and backward and freed "
         "after, the next block's gather prefetched - the engine's own sequence of collectives, traced",
         "Communication per step, counted by wrapping the engine's collectives: DP and ZeRO-1/2 move about "
-        "$2\\Psi$, ZeRO-3 about $3\\Psi$, and ZeRO-2/3 pay it on every micro-batch",
+        "$2\\Psi$, ZeRO-3 about $3\\Psi$; ZeRO-2 reduce-scatters and ZeRO-3 does everything on every micro-batch",
         "Where each stage stops paying off: the planner across N and model sizes (Llama 3 8B and 70B)",
         "Exercises: just-in-time gathering of a ZeRO-3 layer on 2 ranks; bytes per rank per step for every stage, "
         "checked against what the engine's collectives moved",
@@ -407,8 +407,8 @@ only compute a layer whose parameters it holds in full, so:
 - **prefetch**: while block $i$ computes, the all-gather of block $i+1$ (of $i-1$ in backward) is already in
   flight, so communication hides behind compute when compute is long enough;
 - the root unit is needed at the very start of forward and at the very end of backward; the engine keeps it
-  gathered in between (torchtitan does the same, `reshard_after_forward=False` for the root), so it is
-  gathered once per micro-batch instead of twice.
+  gathered in between, so it is gathered once per micro-batch instead of twice (PyTorch's FSDP2 does the
+  same: the root module is not resharded after forward, since backward needs it at once).
 
 The next cell wraps the engine's collectives on both ranks and records, in order, every all-gather and
 reduce-scatter of one ZeRO-3 step of a 3-block model, interleaved with the blocks' forward and backward:
@@ -416,7 +416,9 @@ reduce-scatter of one ZeRO-3 step of a 3-block model, interleaved with the block
             TRACE,
             md(r'''
 Each block is gathered before it computes, the next one already on its way; in backward the order reverses
-and every block's gradients are reduce-scattered as soon as they are complete. Only memory for the units in
+and every block's gradients are reduce-scattered as soon as they are complete. The last block is freed at
+the end of forward and gathered again at once for backward - which is why torchtitan does not reshard the
+last block after forward. Only memory for the units in
 flight is ever "full" - the price is one more all-gather of the parameters per micro-batch.
 
 Exercise 1 builds the heart of this for a Linear layer. Its backward needs the gradients of
@@ -462,8 +464,12 @@ communication costs there:
 '''),
             PAYOFF,
             md(r'''
-Beyond that point more GPUs still add throughput (more micro-batches per step), but no memory; for memory
-the next levers are activation recomputation (Part 2) and the parallelisms that shard activations and
+The planner counts ZeRO-1/2's all-gather after the optimizer step as exposed (Megatron-LM's distributed
+optimizer can overlap it with the next forward, `--overlap-param-gather`), while ZeRO-3's gathers are
+prefetched behind the blocks' compute.
+
+Past the point where memory stops shrinking, more GPUs still add throughput (more samples in parallel, as
+far as the global batch allows: Part 5), but no memory headroom; for memory the next levers are activation recomputation (Part 2) and the parallelisms that shard activations and
 compute - tensor, sequence, context and pipeline parallelism, the next parts. ZeRO-3's own limit is time,
 not memory: every micro-batch all-gathers the whole model twice, and when a block's compute gets shorter
 than its all-gather (small micro-batches, slow links between nodes, thousands of GPUs adding latency

@@ -128,4 +128,5 @@ PRINTED = [
     "  1    15.0    15.0    89.7   119.7 |        119.7        89.7",
     " 64    15.0    15.0     1.4    31.3 |         31.3        30.8",
     "ultrascale plan memory --model llama3-8b --dp 8 --zero 1: optimizer states per GPU 11.2 GiB",
+    "ZeRO-1 on 64 GPUs saves 88.3 GiB per GPU (planner); k = 8 would claim 58.9 GiB",
 ]

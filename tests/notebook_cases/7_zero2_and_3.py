@@ -157,9 +157,9 @@ PRINTED = [
     "micro-batches 2 | ZeRO-3: 10 x all_gather (6.77 psi B), 6 x reduce_scatter (8.00 psi B) + 12 B of scalars "
     "-> sent 7.38 B/param",
     "root unit, kept gathered from forward to backward: 32,960 of 106,944 parameters (30.8%)",
-    "DP    : 2.00 psi elements per micro-batch step",
-    "ZeRO-1: 2.00 psi elements per micro-batch step",
-    "ZeRO-3: 2.69 psi elements per micro-batch step",
+    "DP    : 2.00 psi elements per step (1 micro-batch)",
+    "ZeRO-1: 2.00 psi elements per step (1 micro-batch)",
+    "ZeRO-3: 2.69 psi elements per step (1 micro-batch)",
     "ZeRO-3 without the kept root would be 3 psi; with it: 3 - 0.31 = 2.69 psi",
     "  64    152.0  [  119.7]       63.7* [   31.3]       49.0* [   16.6]       35.3* [    1.9]",
     "llama3-8b ZeRO-1: doubling N saves < 10% from N = 8 on (73.5 GiB per GPU)",
