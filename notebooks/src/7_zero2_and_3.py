@@ -418,8 +418,8 @@ reduce-scatter of one ZeRO-3 step of a 3-block model, interleaved with the block
 Each block is gathered before it computes, the next one already on its way; in backward the order reverses
 and every block's gradients are reduce-scattered as soon as they are complete. The last block is freed at
 the end of forward and gathered again at once for backward - which is why torchtitan does not reshard the
-last block after forward. Only memory for the units in
-flight is ever "full" - the price is one more all-gather of the parameters per micro-batch.
+last block after forward. Only the units in flight are ever whole; the price is one more all-gather of the
+parameters per micro-batch.
 
 Exercise 1 builds the heart of this for a Linear layer. Its backward needs the gradients of
 $y = xW^\top + b$, given here and checked against autograd:
@@ -469,8 +469,9 @@ optimizer can overlap it with the next forward, `--overlap-param-gather`), while
 prefetched behind the blocks' compute.
 
 Past the point where memory stops shrinking, more GPUs still add throughput (more samples in parallel, as
-far as the global batch allows: Part 5), but no memory headroom; for memory the next levers are activation recomputation (Part 2) and the parallelisms that shard activations and
-compute - tensor, sequence, context and pipeline parallelism, the next parts. ZeRO-3's own limit is time,
+far as the global batch allows: Part 5), but no memory headroom; for memory the next levers are activation
+recomputation (Part 2) and the parallelisms that shard activations and compute - tensor, sequence, context
+and pipeline parallelism, the next parts. ZeRO-3's own limit is time,
 not memory: every micro-batch all-gathers the whole model twice, and when a block's compute gets shorter
 than its all-gather (small micro-batches, slow links between nodes, thousands of GPUs adding latency
 steps), prefetching can no longer hide it.
