@@ -185,9 +185,11 @@ for m in (1, 2):
 ''')
 
 PLAYBOOK_UNITS = code(r'''
-from ultrascale.series.checks.part7 import root_params
+from ultrascale.model import build_model
 
-kept = root_params(get_preset("tiny"))
+# The root unit: every parameter outside the transformer blocks (a model on the meta device costs no memory).
+skeleton = build_model(get_preset("tiny"), 0, torch.device("meta"))
+kept = psi - sum(p.numel() for p in skeleton.layers.parameters())
 print(f"root unit, kept gathered from forward to backward: {kept:,} of {psi:,} parameters ({kept / psi:.1%})")
 for zero, label in ((0, "DP"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")):
     print(f"{label:6s}: {elements[zero, 1] / psi:.2f} psi elements per step (1 micro-batch) | bytes sent "
