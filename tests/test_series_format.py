@@ -226,6 +226,15 @@ def test_each_broken_rule_is_named(tiny, tmp_path, name, breakage, rule):
     assert set(rules(found)) == {rule}, [v.line() for v in found]
 
 
+def test_collectives_run_through_on_ranks_need_no_process_group_in_the_kernel(tiny, tmp_path):
+    # on_ranks(world, fn) runs fn on gloo processes where torch.distributed is initialised.
+    tiny["sections"][0]["cells"].append({"kind": "code", "source": (
+        "import torch\nimport torch.distributed as dist\nfrom ultrascale.series.ranks import on_ranks\n\n\n"
+        "def total():\n    t = torch.ones(1)\n    dist.all_reduce(t)\n    return t.item()\n\n\n"
+        "print(on_ranks(2, total))")})
+    assert "process-group" not in rules(lint_file(write(tmp_path, "6_averages.ipynb", tiny)))
+
+
 def test_gpu_code_is_allowed_where_the_notebook_says_so(tiny, tmp_path):
     guarded = copy.deepcopy(tiny)
     guarded["sections"][0]["cells"].append({"kind": "code", "source": (

@@ -89,6 +89,7 @@ class Zero3(ZeroDataParallel):
 
     # -- module hooks -------------------------------------------------------
     def _pre_forward(self, i: int) -> None:
+        self._start_gather(self.block_units[i])  # first what is needed now: collectives run in launch order
         if i + 1 < len(self.block_units) and torch.is_grad_enabled():
             self._start_gather(self.block_units[i + 1])  # prefetch: overlaps block i's compute
         self._gather(self.block_units[i])
@@ -99,6 +100,7 @@ class Zero3(ZeroDataParallel):
             out.register_hook(lambda grad: self._pre_backward(i))
 
     def _pre_backward(self, i: int) -> None:
+        self._start_gather(self.block_units[i])
         if i > 0:
             self._start_gather(self.block_units[i - 1])  # backward walks the blocks in reverse
         self._gather(self.block_units[i])

@@ -86,6 +86,9 @@ def _process_group(trees: dict, v) -> None:
     # on_ranks(world, fn) runs fn on processes that joined a gloo group: fn's collectives have one.
     if any(name.endswith(("init_process_group", "on_ranks")) for names in calls.values() for name in names):
         return
+    # on_ranks(world, fn) runs fn on processes where torch.distributed is initialised.
+    if any(name.split(".")[-1] == "on_ranks" for names in calls.values() for name in names):
+        return
     for i, names in sorted(calls.items()):
         used = [n for n in names if n.split(".")[-1] in ("DDP", "DistributedDataParallel")
                 or re.fullmatch(r"(dist|torch\.distributed)\.(all_reduce|broadcast|all_gather|reduce_scatter)", n)]
