@@ -86,16 +86,13 @@ def _process_group(trees: dict, v) -> None:
     # on_ranks(world, fn) runs fn on processes that joined a gloo group: fn's collectives have one.
     if any(name.endswith(("init_process_group", "on_ranks")) for names in calls.values() for name in names):
         return
-    # on_ranks(world, fn) runs fn on processes where torch.distributed is initialised.
-    if any(name.split(".")[-1] == "on_ranks" for names in calls.values() for name in names):
-        return
     for i, names in sorted(calls.items()):
         used = [n for n in names if n.split(".")[-1] in ("DDP", "DistributedDataParallel")
                 or re.fullmatch(r"(dist|torch\.distributed)\.(all_reduce|broadcast|all_gather|reduce_scatter)", n)]
         if used:
-            v(i, "process-group", f"`{used[0]}(...)` needs a process group but no cell creates one; call "
-                                  f"dist.init_process_group first (on CPU: \"gloo\", store=dist.HashStore(), rank=0, "
-                                  f"world_size=1)")
+            v(i, "process-group", f"`{used[0]}(...)` needs a process group but no cell creates one: run the "
+                                  f"function on real ranks with on_ranks(world, fn) (from ultrascale.series.ranks), "
+                                  f"or call dist.init_process_group first")
 
 
 def _bindings(tree) -> set:
