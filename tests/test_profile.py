@@ -40,6 +40,30 @@ def test_interval_overlap_on_hand_written_intervals():
     assert hidden_share([], compute) == 0
 
 
+def _x(name, ts, dur, tid=1, cat="user_annotation"):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "cat": cat}
+
+
+def test_analysis_of_hand_written_events():
+    from ultrascale.train.trace_report import analyse
+
+    # CPU (gloo): backward 10-50 on the main thread, which launches a bucket at 20 (1 us) and
+    # waits 50-70; gloo's worker runs the all-reduce 21-65. Compute 10-20, 21-50 (39 us);
+    # comm 20-21 and 21-70 (50 us); hidden 21-50 (29 us); idle 0-10 and 70-100.
+    cpu = [_x("step", 0, 100), _x("backward", 10, 40), _x("comm:dp.bucket_all_reduce", 20, 1),
+           _x("comm:dp.wait", 50, 20), _x("gloo:all_reduce", 21, 44, tid=2),
+           _x("aten::mm", 12, 5, cat="cpu_op"), _x("aten::add", 13, 1, cat="cpu_op")]
+    r = analyse(cpu)
+    assert (r["compute_ms"], r["comm_ms"], r["overlap_ms"], r["idle_ms"]) == pytest.approx((0.039, 0.050, 0.029, 0.040))
+    assert r["hidden_share"] == pytest.approx(29 / 50)
+    assert [(o["name"], o["self_ms"]) for o in r["top_ops"]] == [("aten::mm", 0.004), ("aten::add", 0.001)]
+    # GPU: the kernels decide; CPU spans only launched them.
+    gpu = [_x("step", 0, 100), _x("backward", 0, 10), _x("gemm", 10, 30, tid=7, cat="kernel"),
+           _x("ncclDevKernel_AllReduce_Sum_f32", 30, 20, tid=8, cat="kernel")]
+    r = analyse(gpu)
+    assert (r["compute_ms"], r["comm_ms"], r["hidden_share"]) == pytest.approx((0.030, 0.020, 0.5))
+
+
 def test_profiling_off_builds_nothing():
     from ultrascale.config import TrainConfig
 

@@ -7,7 +7,9 @@ to the last one's end):
 - compute: the forward, backward and optimizer spans, less the communication
   spans the same thread ran inside them (a launch, a blocking collective, a wait);
 - communication: every `comm:` span, and the backends' own events for the time
-  collectives actually run (gloo's `gloo:*` on its worker threads, NCCL kernels);
+  collectives actually run (gloo's `gloo:*` on its worker threads);
+  (a trace with GPU kernels is read on the GPU's timeline instead: NCCL kernels are
+  the communication, the other kernels the compute);
 - idle: the window less both (data loading, zeroing, the profiler, waiting on nothing);
 - hidden: the share of communication time during which compute ran, the comm-comp
   overlap of Holistic Trace Analysis: |comm ∩ compute| / |comm|, both as unions of
@@ -156,14 +158,22 @@ def analyse(events: list[dict], top: int = 8) -> dict:
     steps = [_interval(e) for e in events if e["name"] == STEP]
     window = (min(s for s, _ in steps), max(e for _, e in steps)) if steps else \
         (min(_interval(e)[0] for e in events), max(_interval(e)[1] for e in events))
-    compute_spans = [e for e in events if e["name"] in COMPUTE]
-    compute_threads = {e.get("tid") for e in compute_spans}
-    comm_events = [e for e in events if is_comm(e["name"])]
     clip = [window]
-    comm = intersect([_interval(e) for e in comm_events], clip)
-    # A thread blocked in (or launching) a collective inside a backward span is not computing.
-    blocking = [_interval(e) for e in comm_events if e.get("tid") in compute_threads]
-    compute = intersect(subtract([_interval(e) for e in compute_spans], blocking), clip)
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if kernels:
+        # A GPU run: the device's timeline is what counts, as in Holistic Trace Analysis. NCCL
+        # kernels are the communication, every other kernel the compute; the CPU spans only
+        # launch them.
+        comm = intersect([_interval(e) for e in kernels if is_comm(e["name"])], clip)
+        compute = intersect([_interval(e) for e in kernels if not is_comm(e["name"])], clip)
+    else:
+        compute_spans = [e for e in events if e["name"] in COMPUTE]
+        compute_threads = {e.get("tid") for e in compute_spans}
+        comm_events = [e for e in events if is_comm(e["name"])]
+        comm = intersect([_interval(e) for e in comm_events], clip)
+        # A thread blocked in (or launching) a collective inside a backward span is not computing.
+        blocking = [_interval(e) for e in comm_events if e.get("tid") in compute_threads]
+        compute = intersect(subtract([_interval(e) for e in compute_spans], blocking), clip)
     overlap = length(intersect(comm, compute))
     busy = length(merge(comm + compute))
     span_ms = (window[1] - window[0]) / 1e3
