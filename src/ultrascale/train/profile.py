@@ -8,8 +8,8 @@ also writes a memory snapshot of those steps, DIR/rank{r}.memory.pickle (drag it
 onto https://pytorch.org/memory_viz).
 
 The spans are named here, in one place, so that a trace reads the same whatever
-the layout. A span is a `torch.profiler.record_function` (on CUDA, an NVTX range
-as well when running under nsys with `emit_nvtx`):
+the layout. A span is a `torch.profiler.record_function` (not an NVTX range: those
+would need `torch.autograd.profiler.emit_nvtx`, which this code does not enter):
 
     step, forward, backward, optimizer     what the trainer does
     comm:<technique>.<operation>           every communication the engine issues
@@ -23,9 +23,10 @@ launch only, and a `comm:*.wait` span covers the time the main thread blocks on
 them. The time such a collective actually runs is recorded by the backend
 itself: ProcessGroupGloo's worker thread records a `gloo:all_reduce` (or
 `gloo:reduce_scatter`, ...) event from the moment it starts the operation to the
-moment it completes (measured: a 16 MB async all-reduce shows a 13 ms
-`gloo:all_reduce` on the worker thread while the main thread's launch span takes
-0.1 ms); on NCCL the `nccl*` kernels on the GPU stream do the same. That is the
+moment it completes (measured on 2 CPU ranks: a 16 MB async all-reduce launched
+in a 1 ms span runs for 13 ms in `gloo:all_reduce` on the worker thread; in a
+bucketed run, a 0.3 ms `comm:dp.bucket_all_reduce` and an 11 ms `gloo:all_reduce`);
+on NCCL the `nccl*` kernels on the GPU stream do the same. That is the
 true duration the overlap metric needs, so no span of ours stretches from launch
 to wait(): such a span would measure time "in flight", including time the
 operation had long finished and sat waiting for wait() to be called.
