@@ -74,6 +74,9 @@ TRAIN_FLAGS = [
     ("--log-jsonl", "train", "log_jsonl", str, "write one JSON object per step to this file"),
     ("--log-every", "train", "log_every", int, "print a line every N steps"),
     ("--pp-trace", "train", "pp_trace", str, "write the last step's pipeline timeline (draw it with pp-schedule --trace)"),
+    ("--profile", "train", "profile", str, "write a torch.profiler trace per rank into this directory "
+                                           "(read it with `ultrascale trace DIR`)"),
+    ("--profile-steps", "train", "profile_steps", str, "the steps to profile, A:B (default 2:3, after warm-up)"),
     ("--device", "train", "device", str, "auto, cpu or cuda"),
     ("--nproc", "train", "nproc", int, "spawn this many local processes (or use torchrun)"),
     ("--timeout", "train", "timeout", float,
@@ -233,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ultrascale.parallel.pipeline.cli import add_parser as add_pp_schedule; add_pp_schedule(sub)  # noqa: E702
     from ultrascale.export import add_parser as add_export; add_export(sub)  # noqa: E702
     from ultrascale.plan.cli import add_parser as add_plan; add_plan(sub)  # noqa: E702
+    from ultrascale.train.trace_report import add_parser as add_trace; add_trace(sub)  # noqa: E702
     from ultrascale.series.cli import add_parser as add_notebook; add_notebook(sub)  # noqa: E702
     return parser
 

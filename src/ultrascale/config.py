@@ -132,6 +132,8 @@ class TrainConfig:
     init_from: str = ""  # hf:DIR: start from a transformers checkpoint (its shape and weights)
     log_jsonl: str = ""
     pp_trace: str = ""  # write the last step's pipeline timeline here (JSON)
+    profile: str = ""  # a directory: torch.profiler traces of the --profile-steps window, one per rank
+    profile_steps: str = "2:3"  # A:B, 1-based and inclusive (train/profile.py)
     log_every: int = 1
     device: str = "auto"  # auto | cpu | cuda
     nproc: int = 1
@@ -185,6 +187,8 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
                           "--lr-decay-steps > 0")
     if t.grad_clip < 0:
         raise ConfigError(f"--grad-clip must be >= 0 (0 turns clipping off), got {t.grad_clip}")
+    if t.profile:
+        check_profile_steps(t)
     if t.resume and t.init_from:
         check_start(t.resume, t.init_from)
     if t.resume and not os.path.isdir(t.resume):
@@ -226,6 +230,19 @@ def check_context(cfg: RunConfig, parallel: ParallelConfig) -> None:
         raise ConfigError(f"--cp-attention ulysses gives each of cp x tp = {cp * tp} ranks whole heads: it must "
                           f"divide the {heads} query heads and the {kv} key/value heads; use a cp x tp that "
                           f"divides {kv}, or --cp-attention ring")
+
+
+def check_profile_steps(t: TrainConfig) -> None:
+    from ultrascale.train.profile import parse_steps
+
+    try:
+        first, _ = parse_steps(t.profile_steps)
+    except ValueError:
+        raise ConfigError(f"--profile-steps {t.profile_steps}: give A:B, the first and last step to record "
+                          f"(1-based, A <= B), e.g. 2:3") from None
+    if first > t.steps:
+        raise ConfigError(f"--profile-steps {t.profile_steps} starts after the last step (--steps {t.steps}): "
+                          f"pick steps within 1:{t.steps} or raise --steps")
 
 
 def check_start(resume: str, init_from: str) -> None:

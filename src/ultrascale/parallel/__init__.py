@@ -119,13 +119,16 @@ def grad_norm_reducer(ctx):
     (tensor shards, pipeline stages); None when this rank has them all."""
     import torch.distributed as dist
 
+    from ultrascale.train.profile import comm
+
     groups = [ctx.group(name) for name in ("tp", "pp") if ctx.size(name) > 1]
     if not groups:
         return None
 
     def reduce(sq):
         for g in groups:
-            dist.all_reduce(sq, group=g)
+            with comm("grad_norm.all_reduce"):
+                dist.all_reduce(sq, group=g)
         return sq
 
     return reduce

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ultrascale.parallel.buckets import LaunchOrder, make_buckets
 from ultrascale.parallel.grads import LocalGrads
+from ultrascale.train.profile import comm
 
 
 class _DataParallel(LocalGrads):
@@ -37,7 +38,8 @@ class NaiveDataParallel(_DataParallel):
     def finish(self) -> None:
         for p in self.params:
             p.main_grad.div_(self.world)
-            dist.all_reduce(p.main_grad, group=self.group)
+            with comm("dp.all_reduce"):
+                dist.all_reduce(p.main_grad, group=self.group)
 
 
 class OverlapDataParallel(_DataParallel):
@@ -50,11 +52,13 @@ class OverlapDataParallel(_DataParallel):
             # Every rank runs the same graph, so hooks fire in the same order and the
             # collectives match up across ranks.
             p.main_grad.div_(self.world)
-            self._pending.append(dist.all_reduce(p.main_grad, group=self.group, async_op=True))
+            with comm("dp.all_reduce"):
+                self._pending.append(dist.all_reduce(p.main_grad, group=self.group, async_op=True))
 
     def finish(self) -> None:
-        for work in self._pending:
-            work.wait()
+        with comm("dp.wait"):
+            for work in self._pending:
+                work.wait()
         self._pending = []
 
 
@@ -88,18 +92,21 @@ class BucketedDataParallel(_DataParallel):
     def _launch(self, b) -> None:
         b.grad.div_(self.world)
         if self.comm_dtype is None:
-            self._pending.append((dist.all_reduce(b.grad, group=self.group, async_op=True), b, None))
+            with comm("dp.bucket_all_reduce"):
+                self._pending.append((dist.all_reduce(b.grad, group=self.group, async_op=True), b, None))
         else:
             # Communication hook: send half the bytes; the sum is rounded to bf16 (changes numerics).
             low = b.grad.to(self.comm_dtype)
-            self._pending.append((dist.all_reduce(low, group=self.group, async_op=True), b, low))
+            with comm("dp.bucket_all_reduce"):
+                self._pending.append((dist.all_reduce(low, group=self.group, async_op=True), b, low))
 
     def finish(self) -> None:
         # A bucket whose parameters got no gradient this step still has to be reduced.
         for b in self._order.remaining():
             self._launch(b)
         for work, b, low in self._pending:
-            work.wait()
+            with comm("dp.wait"):
+                work.wait()
             if low is not None:
                 b.grad.copy_(low)
         self._order.reset()

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.model.moe import MoE, Experts
+from ultrascale.train.profile import comm
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -41,13 +42,15 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, send: list[int], recv: list[int], group):
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        with comm("ep.all_to_all"):
+            dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        with comm("ep.all_to_all"):
+            dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
         return back, None, None, None
 
 
@@ -58,7 +61,8 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, x, group, world: int):
         ctx.group, ctx.world = group, world
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        _all_gather(out, x.contiguous(), group=group)
+        with comm("ep.all_gather"):
+            _all_gather(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -73,7 +77,8 @@ class _ReduceScatter(torch.autograd.Function):
     def forward(ctx, x, group, world: int):
         ctx.group, ctx.world = group, world
         out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-        _reduce_scatter(out, x.contiguous(), group=group)
+        with comm("ep.reduce_scatter"):
+            _reduce_scatter(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -93,7 +98,8 @@ class AllToAllDispatch:
         counts = torch.bincount(expert_idx, minlength=self.world * self.local)
         # 1. How many rows each rank will receive, per local expert: [source rank, local expert].
         got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts, group=self.group)
+        with comm("ep.all_to_all"):
+            dist.all_to_all_single(got, counts, group=self.group)
         got = got.view(self.world, self.local)
         send = counts.view(self.world, self.local).sum(1).tolist()
         recv = got.sum(1).tolist()

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.parallel.grads import LocalGrads
+from ultrascale.train.profile import comm
 
 
 def is_expert(p) -> bool:
@@ -44,7 +45,8 @@ class ExpertReplicas(LocalGrads):
         for p in self.params:
             p.main_grad.div_(self.divisor)
             if self.group is not None:
-                dist.all_reduce(p.main_grad, group=self.group)
+                with comm("ep.grad_all_reduce"):
+                    dist.all_reduce(p.main_grad, group=self.group)
 
 
 class _JoinedMain:
@@ -119,7 +121,8 @@ class ExpertParallelGrads:
         return self.dense.grad_owners() + self.expert.grad_owners()
 
     def reduce_norm_sq(self, sq):
-        dist.all_reduce(sq, group=self.ctx.group("dp_cp"))
+        with comm("grad_norm.all_reduce"):
+            dist.all_reduce(sq, group=self.ctx.group("dp_cp"))
         return sq
 
     def param_tensors(self):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.parallel.precision import MainParams
+from ultrascale.train.profile import comm
 
 
 class LocalGrads:
@@ -46,7 +47,8 @@ class LocalGrads:
         if group is not None:
             # A replicated parameter that each rank of this group saw only part of the
             # activations of (a norm under sequence parallelism): its gradient is the sum.
-            dist.all_reduce(p.grad, group=group)
+            with comm("sp.grad_all_reduce"):
+                dist.all_reduce(p.grad, group=group)
         self._add_into_main_grad(p)
         p.grad = None
         self.on_grad_ready(p)

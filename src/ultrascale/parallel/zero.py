@@ -36,6 +36,7 @@ from torch import nn
 from ultrascale.parallel.buckets import Bucket, LaunchOrder
 from ultrascale.parallel.grads import LocalGrads
 from ultrascale.parallel.precision import DTYPES, MainParams
+from ultrascale.train.profile import comm
 
 # torch 2.13 renamed the flat collectives; older releases in our range have only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -113,10 +114,12 @@ class ZeroDataParallel(LocalGrads):
 
     def _after_update(self) -> None:
         # Every rank updated its shard; all-gather puts the whole bucket back on every rank.
-        works = [_all_gather(b.param_flat, b.param_flat[b.shard[0]:b.shard[1]], group=self.group, async_op=True)
-                 for b in self.buckets]
-        for w in works:
-            w.wait()
+        with comm("zero.all_gather"):
+            works = [_all_gather(b.param_flat, b.param_flat[b.shard[0]:b.shard[1]], group=self.group,
+                                 async_op=True) for b in self.buckets]
+        with comm("zero.wait"):
+            for w in works:
+                w.wait()
 
     # -- gradients ----------------------------------------------------------
     def _allocate(self) -> None:
@@ -177,7 +180,8 @@ class ZeroDataParallel(LocalGrads):
             else:
                 out = torch.empty(hi - lo, dtype=torch.float32, device=b.grad.device)
         b.grad.div_(self.divisor)
-        self._pending.append((_reduce_scatter(out, b.grad, group=self.group, async_op=True), b, out))
+        with comm("zero.reduce_scatter"):
+            self._pending.append((_reduce_scatter(out, b.grad, group=self.group, async_op=True), b, out))
         self._launched(b)
         if self.stage >= 2 and len(self._pending) > 2:
             self._retire(self._pending.pop(0))  # bound the full gradient buffers alive at once
@@ -195,7 +199,8 @@ class ZeroDataParallel(LocalGrads):
 
     def _retire(self, item) -> None:
         work, b, out = item
-        work.wait()
+        with comm("zero.wait"):
+            work.wait()
         if self.stage >= 2:
             if out is not b.grad_shard:
                 b.grad_shard.add_(out)
@@ -238,7 +243,8 @@ class ZeroDataParallel(LocalGrads):
         return self._piece_owners
 
     def reduce_norm_sq(self, sq):
-        dist.all_reduce(sq, group=self.group)  # each rank holds a different shard
+        with comm("grad_norm.all_reduce"):
+            dist.all_reduce(sq, group=self.group)  # each rank holds a different shard
         return sq
 
     # -- where the optimizer's pieces sit, and full tensors -----------------

@@ -22,6 +22,7 @@ import torch
 
 from ultrascale.parallel.buckets import Bucket
 from ultrascale.parallel.zero import ZeroDataParallel, _all_gather
+from ultrascale.train.profile import comm
 
 
 def _units(model, params, world) -> list[Bucket]:
@@ -75,12 +76,14 @@ class Zero3(ZeroDataParallel):
         if b.gathered or b.work is not None:
             return
         b.param_flat.untyped_storage().resize_(b.nbytes)
-        b.work = _all_gather(b.param_flat, b.param_shard, group=self.group, async_op=True)
+        with comm("zero.all_gather"):
+            b.work = _all_gather(b.param_flat, b.param_shard, group=self.group, async_op=True)
 
     def _gather(self, b) -> None:
         self._start_gather(b)
         if b.work is not None:
-            b.work.wait()
+            with comm("zero.wait"):
+                b.work.wait()
             b.work, b.gathered = None, True
 
     def _free(self, b) -> None:

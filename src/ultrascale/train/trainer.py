@@ -27,6 +27,7 @@ from ultrascale.train import checkpoint, resume
 from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_tflops, storage_bytes
 from ultrascale.train.optim import build_adamw, clip_grad_norm_, lr_at
+from ultrascale.train.profile import BACKWARD, FORWARD, OPTIMIZER, STEP, comm, profile_window, span
 from ultrascale.train.recompute import apply_recompute
 
 
@@ -105,9 +106,10 @@ class Trainer:
             sync = contextlib.nullcontext() if j == n - 1 else self.grads.no_sync()
             measure = self.meter.forward() if self.cfg.train.measure_activations else contextlib.nullcontext()
             with sync:
-                with measure:
+                with measure, span(FORWARD):
                     loss = self.loss_fn(self.model(inputs, positions), targets)
-                (loss / n).backward()
+                with span(BACKWARD):
+                    (loss / n).backward()
             total += loss.detach()
         return (total / n).item()
 
@@ -124,21 +126,14 @@ class Trainer:
         if self.keep_first_grads and self.first_grads is None:
             # The parallel algebra itself, before the optimizer can amplify or hide anything.
             self.first_grads = parallel.full_state(self.names, self.grads.params, self.grads.full_grads(), ctx)
-        grads = self.grads.grads()
-        grad_norm = clip_grad_norm_(grads, t.grad_clip, self._reduce_norm_sq, self.norm_shares)
-        lr = lr_at(self.step, t)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        self.main.attach_grads(grads)
-        self.opt.step()
-        self.main.detach_grads()
-        self.main.copy_to_model()
+        grad_norm, lr = self.optimizer_step()
         moe = self._moe_step() if self.moe else None
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         elapsed = time.perf_counter() - start
         self.step += 1
-        loss = ctx.all_reduce_mean(loss)
+        with comm("loss.all_reduce"):
+            loss = ctx.all_reduce_mean(loss)
         tokens = cfg.global_batch * t.seq_len
         tokens_per_s = tokens / elapsed
         tflops = tokens_per_s * self.flops_per_token / ctx.world_size / 1e12  # per device
@@ -150,6 +145,21 @@ class Trainer:
             **({"moe": moe} if moe is not None else {}),
         }
 
+    def optimizer_step(self) -> tuple[float, float]:
+        """Clip the reduced gradients, update the main parameters, copy them to the model."""
+        t = self.cfg.train
+        with span(OPTIMIZER):
+            grads = self.grads.grads()
+            grad_norm = clip_grad_norm_(grads, t.grad_clip, self._reduce_norm_sq, self.norm_shares)
+            lr = lr_at(self.step, t)
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            self.main.attach_grads(grads)
+            self.opt.step()
+            self.main.detach_grads()
+            self.main.copy_to_model()
+        return grad_norm, lr
+
     def _moe_step(self) -> dict:
         """Loads of this step's tokens over all data ranks: the router bias update, and the metrics
         (of the MoE layers on this pipeline stage)."""
@@ -160,7 +170,8 @@ class Trainer:
         def reduce_sum(t):
             for g in groups:
                 if g is not None:
-                    dist.all_reduce(t, group=g)
+                    with comm("moe.stats_all_reduce"):
+                        dist.all_reduce(t, group=g)
             return t
 
         counts, (dropped, assigned, aux, z, calls) = step_loads(self.model, reduce_sum)
@@ -190,16 +201,21 @@ class Trainer:
         t, ctx = self.cfg.train, self.ctx
         result = TrainResult()
         log = _Log(t, ctx.is_logging_rank, self.step, self.log_to_stdout)
+        # --profile: a torch.profiler trace of the --profile-steps window (nothing at all without it).
+        profiler = profile_window(t, ctx.rank, ctx.device, self.step + 1)
         try:
             while self.step < t.steps:
                 failures.note_step(self.step + 1)
-                m = self.train_step()
+                with span(STEP):
+                    m = self.train_step()
+                profiler.step_done()
                 result.losses.append(m["loss"])
                 result.metrics.append(m)
                 log.write(m)
                 if t.save and t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
                     self.save(t.save)
         finally:
+            profiler.close()
             log.close()
         if t.save:
             self.save(t.save)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ultrascale.train.profile import comm
+
 COUNTS: collections.Counter = collections.Counter()
 # Newer torch names them *_single (and deprecates the old names).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -61,8 +63,9 @@ class _InFlight:
         self.works, self.sent, self.received = works, sent, received
 
     def wait(self):
-        for w in self.works:
-            w.wait()
+        with comm("cp.wait"):
+            for w in self.works:
+                w.wait()
         return self.received
 
 
@@ -71,8 +74,9 @@ def ring_exchange(t: torch.Tensor, cpg: ContextGroup, tag: int, phase: str) -> _
     t = t.contiguous()
     received = torch.empty_like(t)
     # One batch: NCCL groups the pair (no deadlock when next == prev); gloo posts both.
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, cpg.next, cpg.group, tag),
-                                    dist.P2POp(dist.irecv, received, cpg.prev, cpg.group, tag)])
+    with comm("cp.send_recv"):
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, cpg.next, cpg.group, tag),
+                                        dist.P2POp(dist.irecv, received, cpg.prev, cpg.group, tag)])
     _count(phase, "send")
     _count(phase, "recv")
     return _InFlight(works, t, received)
@@ -87,7 +91,8 @@ class GatherKV(torch.autograd.Function):
         ctx.cpg = cpg
         p = cpg.size
         gathered = torch.empty((p,) + kv.shape, dtype=kv.dtype, device=kv.device)
-        _all_gather(gathered.view(-1), kv.contiguous().view(-1), group=cpg.group)
+        with comm("cp.all_gather"):
+            _all_gather(gathered.view(-1), kv.contiguous().view(-1), group=cpg.group)
         _count("forward", "all_gather")
         two, b, h, n, d = kv.shape
         return gathered.permute(1, 2, 3, 0, 4, 5).reshape(two, b, h, p * n, d)
@@ -98,7 +103,8 @@ class GatherKV(torch.autograd.Function):
         two, b, h, s, d = grad.shape
         blocks = grad.reshape(two, b, h, p, s // p, d).permute(3, 0, 1, 2, 4, 5).contiguous()
         mine = torch.empty(blocks.shape[1:], dtype=grad.dtype, device=grad.device)
-        _reduce_scatter(mine.view(-1), blocks.view(-1), group=ctx.cpg.group)
+        with comm("cp.reduce_scatter"):
+            _reduce_scatter(mine.view(-1), blocks.view(-1), group=ctx.cpg.group)
         _count("backward", "reduce_scatter")
         return mine, None
 
@@ -108,7 +114,8 @@ def all_to_all(x, cpg: ContextGroup, scatter_dim: int, gather_dim: int, phase: s
     arrives along gather_dim, in rank order."""
     send = torch.stack([piece.contiguous() for piece in x.chunk(cpg.size, dim=scatter_dim)])
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=cpg.group)
+    with comm("cp.all_to_all"):
+        dist.all_to_all_single(received, send, group=cpg.group)
     _count(phase, "all_to_all")
     return torch.cat(received.unbind(0), dim=gather_dim)
 

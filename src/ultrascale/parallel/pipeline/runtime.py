@@ -28,6 +28,7 @@ from ultrascale.parallel.pipeline.stage import (
     split_layers,
     virtual_stages,
 )
+from ultrascale.train.profile import BACKWARD, FORWARD, comm, span
 
 
 class PipelineRuntime:
@@ -78,22 +79,26 @@ class PipelineRuntime:
             key, stage = (a.micro, a.chunk), stage_of(self.rank, a.chunk, self.p)
             if a.kind == "RECV_F":
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.ctx.device)
-                dist.recv(buf, src=self.prev, tag=self._tag(a.micro, stage, "F"))
+                with comm("pp.recv"):
+                    dist.recv(buf, src=self.prev, tag=self._tag(a.micro, stage, "F"))
                 inputs[key] = buf.requires_grad_()
             elif a.kind == "RECV_B":
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.ctx.device)
-                dist.recv(buf, src=self.next, tag=self._tag(a.micro, stage, "B"))
+                with comm("pp.recv"):
+                    dist.recv(buf, src=self.next, tag=self._tag(a.micro, stage, "B"))
                 recv_grad[key] = buf
             elif a.kind == "SEND_F":
                 out = outputs[key].detach()
-                sends.append((dist.isend(out, dst=self.next, tag=self._tag(a.micro, stage + 1, "F")), out))
+                with comm("pp.send"):
+                    sends.append((dist.isend(out, dst=self.next, tag=self._tag(a.micro, stage + 1, "F")), out))
             elif a.kind == "SEND_B":
                 grad = inputs.pop(key).grad
-                sends.append((dist.isend(grad, dst=self.prev, tag=self._tag(a.micro, stage - 1, "B")), grad))
+                with comm("pp.send"):
+                    sends.append((dist.isend(grad, dst=self.prev, tag=self._tag(a.micro, stage - 1, "B")), grad))
             elif a.kind == "F":
                 chunk = self.chunks[a.chunk]
                 x = micro_batches[a.micro][0] if chunk.first else inputs[key]
-                with self.meter.forward() if self.measure else contextlib.nullcontext():
+                with self.meter.forward() if self.measure else contextlib.nullcontext(), span(FORWARD):
                     out = chunk(x, self.seq_len, micro_batches[a.micro][2])
                     if chunk.last:
                         loss = self.loss_fn(out, micro_batches[a.micro][1])
@@ -106,13 +111,14 @@ class PipelineRuntime:
                     peak = max(peak, in_flight)
             else:  # B, I, W
                 sync = contextlib.nullcontext() if i in self.synced else self.grads.no_sync()
-                with sync:
+                with sync, span(BACKWARD):
                     self._backward(a, outputs, recv_grad)
                 if a.kind in ("B", "I") and key in held:
                     in_flight -= held.pop(key)
             self.trace.append((repr(a), a.kind, start - t0, time.perf_counter() - t0))
-        for work, _ in sends:
-            work.wait()
+        with comm("pp.wait"):
+            for work, _ in sends:
+                work.wait()
         if self.measure:
             self.meter.peak = max(self.meter.peak, peak)
         return self._mean_loss(losses)
@@ -139,7 +145,8 @@ class PipelineRuntime:
         if losses:
             total += sum(loss.double().to(device) for loss in losses.values()) / self.m
         if self.p > 1:
-            dist.broadcast(total, src=self.last_rank, group=self.ctx.group("pp"))
+            with comm("pp.broadcast"):
+                dist.broadcast(total, src=self.last_rank, group=self.ctx.group("pp"))
         return total.item()
 
     def write_trace(self, path: str, schedule_name: str) -> None:

@@ -18,13 +18,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ultrascale.train.profile import comm
+
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _all_reduce(x, group):
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    with comm("tp.all_reduce"):
+        dist.all_reduce(x, group=group)
     return x
 
 
@@ -32,7 +35,8 @@ def _gather_seq(x, group, world):
     """[b, s/t, h] on each rank -> [b, s, h], the ranks' shards in rank order."""
     b, s, h = x.shape
     out = torch.empty(world * b * s * h, dtype=x.dtype, device=x.device)
-    _all_gather(out, x.contiguous().view(-1), group=group)
+    with comm("tp.all_gather"):
+        _all_gather(out, x.contiguous().view(-1), group=group)
     return out.view(world, b, s, h).transpose(0, 1).reshape(b, world * s, h)
 
 
@@ -41,7 +45,8 @@ def _reduce_scatter_seq(x, group, world):
     b, s, h = x.shape
     chunks = x.view(b, world, s // world, h).transpose(0, 1).contiguous()
     out = torch.empty(b, s // world, h, dtype=x.dtype, device=x.device)
-    _reduce_scatter(out.view(-1), chunks.view(-1), group=group)
+    with comm("tp.reduce_scatter"):
+        _reduce_scatter(out.view(-1), chunks.view(-1), group=group)
     return out
 
 

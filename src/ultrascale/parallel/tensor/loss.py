@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ultrascale.train.profile import comm
+
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -26,17 +28,20 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             z = z.clone()
             z[..., vocab_size - start:] = float("-inf")
         zmax = z.max(dim=-1).values
-        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+        with comm("tp.all_reduce"):
+            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
         z = z - zmax.unsqueeze(-1)
         exp = z.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
+        with comm("tp.all_reduce"):
+            dist.all_reduce(sum_exp, group=group)
 
         local_t = targets - start
         mine = (local_t >= 0) & (local_t < local_v)
         idx = local_t.clamp(0, local_v - 1).unsqueeze(-1)
         z_target = z.gather(-1, idx).squeeze(-1).masked_fill(~mine, 0.0)
-        dist.all_reduce(z_target, group=group)
+        with comm("tp.all_reduce"):
+            dist.all_reduce(z_target, group=group)
 
         loss = (sum_exp.log() - z_target).mean()
         softmax = exp / sum_exp.unsqueeze(-1)
