@@ -62,6 +62,7 @@ TRAIN_FLAGS = [
     ("--grad-clip", "train", "grad_clip", float, "clip the global gradient norm (0: off)"),
     ("--dtype", "train", "dtype", str, "fp32, or bf16 (bf16 compute, fp32 master weights and gradients)"),
     ("--recompute", "train", "recompute", str, "activation recomputation: none, selective or full"),
+    ("--compile", "train", "compile", bool, "torch.compile each transformer block (regional compilation)"),
     ("--seed", "train", "seed", int, "seed of the initial weights and of the data order"),
     ("--data", "train", "data", str, "text file, directory, glob, .jsonl, or hf:NAME (default: Python's stdlib)"),
     ("--data-column", "train", "data_column", str, "text field of JSONL lines or dataset rows"),

@@ -9,6 +9,8 @@
    global positions for RoPE (the trainer passes them to the model).
 2. recomputation (train/recompute.py) wraps what is left (selective: the core
    attention, context-parallel or not, communication included).
+2b. `compile_model(model, cfg)`: with --compile, each transformer block's forward
+   compiled (parallel/compile.py), before data parallelism hooks into the model.
 3. `build_grads(model, params, ctx, cfg)`: who owns the gradients and how they are
    reduced across data-parallel ranks (plain, overlapped, bucketed, ZeRO).
 4. `loss_function(ctx, cfg)`: the loss over this rank's logits (vocabulary-sharded under TP).
@@ -86,6 +88,14 @@ def pipeline_runtime(model, ctx, cfg, grads, loss_fn, meter):
     from ultrascale.parallel.pipeline.runtime import PipelineRuntime
 
     return PipelineRuntime(model, ctx, cfg, grads, loss_fn, meter)
+
+
+def compile_model(model, cfg) -> None:
+    """--compile: torch.compile each transformer block in place (regional compilation)."""
+    if cfg.train.compile:
+        from ultrascale.parallel.compile import compile_blocks
+
+        compile_blocks(model)
 
 
 def build_grads(model, params, ctx, cfg):

@@ -65,6 +65,7 @@ class Trainer:
         self.model = build_model(cfg.model, t.seed, ctx.device, transform=parallel.shard_model(ctx, cfg),
                                  source=source)
         apply_recompute(self.model, t.recompute)
+        parallel.compile_model(self.model, cfg)  # --compile: after sharding and recomputation, before dp
         self.moe = moe_layers(self.model)
         for m in self.moe:
             # The aux losses join each micro-batch's loss as the loss does: divided by their number.
