@@ -119,7 +119,11 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    dtype: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and gradients)
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (16-bit compute, fp32 master weights and gradients)
+    # fp16's dynamic loss scale (train/loss_scale.py): its start, and the finite steps in a row
+    # after which it doubles.
+    loss_scale_init: float = 65536.0
+    loss_scale_window: int = 2000
     recompute: str = "none"  # none | selective | full
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
     seed: int = 0
@@ -175,8 +179,11 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
             f"--seq-len {t.seq_len} exceeds the model's limit of {cfg.model.max_seq_len} positions: "
             f"lower --seq-len or raise --max-seq-len"
         )
-    if t.dtype not in ("fp32", "bf16"):
-        raise ConfigError(f"--dtype must be fp32 or bf16, got {t.dtype!r}")
+    if t.dtype not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"--dtype must be fp32, bf16 or fp16, got {t.dtype!r}")
+    if not t.loss_scale_init >= 1 or t.loss_scale_window <= 0:
+        raise ConfigError(f"--loss-scale-init must be >= 1 and --loss-scale-window positive, got "
+                          f"{t.loss_scale_init:g} and {t.loss_scale_window}")
     if t.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"--recompute must be none, selective or full, got {t.recompute!r}")
     if t.device not in ("auto", "cpu", "cuda"):
