@@ -66,6 +66,8 @@ TRAIN_FLAGS = [
     ("--loss-scale-window", "train", "loss_scale_window", int,
      "fp16: finite steps in a row after which the loss scale doubles (default 2000)"),
     ("--recompute", "train", "recompute", str, "activation recomputation: none, selective or full"),
+    ("--fp8", "train", "fp8", bool, "FP8 linear layers in the blocks (torchao, per-tensor dynamic scaling; "
+                                    "emulated on the CPU)"),
     ("--compile", "train", "compile", bool, "torch.compile each transformer block (regional compilation)"),
     ("--seed", "train", "seed", int, "seed of the initial weights and of the data order"),
     ("--data", "train", "data", str, "text file, directory, glob, .jsonl, or hf:NAME (default: Python's stdlib)"),
@@ -145,6 +147,13 @@ def _precheck(cfg) -> None:
 
         cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
         check_dtype_support(t.dtype, "cuda" if cuda else "cpu")
+    if t.fp8:
+        import torch
+
+        from ultrascale.parallel.fp8 import check_fp8_support
+
+        cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+        check_fp8_support("cuda" if cuda else "cpu")
     if t.data and not t.data.startswith("hf:"):
         _text_files(t.data)
     if t.init_from:

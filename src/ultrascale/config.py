@@ -126,6 +126,7 @@ class TrainConfig:
     loss_scale_window: int = 2000
     recompute: str = "none"  # none | selective | full
     compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
+    fp8: bool = False  # FP8 linear layers in the blocks, per-tensor dynamic scaling (parallel/fp8.py)
     seed: int = 0
     data: str = ""  # empty: the Python standard library's source files
     data_column: str = "text"
@@ -198,6 +199,14 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         # and every block recompiled for each new tokens-per-expert shape.
         raise ConfigError("--compile with a Mixture-of-Experts model: the routing's data-dependent shapes "
                           "defeat compilation and its router gradients differ from eager; drop --compile")
+    if t.fp8 and cfg.parallel.tp > 1:
+        raise ConfigError(f"--fp8 with --tp {cfg.parallel.tp}: the tensor-parallel layers are not nn.Linear, so "
+                          f"torchao's FP8 would not reach them; run --fp8 with --tp 1 (dp, ZeRO, pp, cp compose)")
+    if t.fp8 and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero-bubble":
+        raise ConfigError("--fp8 with --pp-schedule zero-bubble: FP8 layers would replace the deferrable linears "
+                          "that split the weight gradients; use another --pp-schedule")
+    if t.fp8 and t.compile:
+        raise ConfigError("--fp8 with --compile: not validated together yet; drop one of them")
     if t.resume and t.init_from:
         check_start(t.resume, t.init_from)
     if t.resume and not os.path.isdir(t.resume):

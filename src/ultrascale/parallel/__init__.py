@@ -3,7 +3,8 @@
 1. `shard_model(ctx, cfg)`: a transform applied to the model on the meta device,
    before any memory is allocated: pipeline split, then tensor parallelism, then
    context parallelism (each block's core attention swapped for a variant that
-   attends across the cp ranks' shards of the sequence).
+   attends across the cp ranks' shards of the sequence), then, with --fp8, the
+   blocks' linear layers swapped for FP8 ones (parallel/fp8.py).
    `shard_sequences(micro_batches, ctx, cfg)`: under context parallelism, each
    micro-batch cut to this rank's shard of every sequence, with the shard's
    global positions for RoPE (the trainer passes them to the model).
@@ -58,6 +59,10 @@ def shard_model(ctx, cfg):
         from ultrascale.parallel.expert import apply_expert_parallel
 
         steps.append(lambda model: apply_expert_parallel(model, ctx, cfg.parallel.dispatch))
+    if cfg.train.fp8:
+        from ultrascale.parallel.fp8 import apply_fp8
+
+        steps.append(lambda model: apply_fp8(model, ctx.device))
     if not steps:
         return None
 
