@@ -249,3 +249,12 @@ def test_fp8_refusals_are_one_line(capsys, monkeypatch, tmp_path):
     line = refused()
     assert "--fp8 needs torchao" in line and "pip install 'ultrascale[fp8]'" in line
     assert not (tmp_path / "ck").exists()
+
+
+def test_fp16_resume_keeps_the_loss_scale(tmp_path):
+    kw = dict(dtype="fp16", loss_scale_init=16.0, loss_scale_window=1)  # the scale doubles every step
+    straight = run(4, **kw)
+    run(2, save=str(tmp_path / "ck"), **kw)
+    resumed = run(4, resume=str(tmp_path / "ck"), **kw)
+    assert [m["loss_scale"] for m in resumed.metrics] == [64.0, 128.0]  # not 16 again
+    assert resumed.losses == straight.losses[2:]
