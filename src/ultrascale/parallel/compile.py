@@ -23,14 +23,13 @@ import torch
 
 def compile_blocks(model, mode: str | None = None) -> int:
     """Compile every transformer block of `model` in place; return how many."""
-    # A graph per block would recompile for each layer index (dynamo guards on the module's
-    # identity); inlining built-in nn modules keeps one graph for blocks of one shape.
     n = 0
     for block in model.layers.values():
         block.forward = torch.compile(block.forward, mode=mode, dynamic=False)
         n += 1
-    # Blocks share one code object: raise the recompilation limit so that every block
-    # (and the first and last pipeline stage, which see other inputs) keeps its graph.
+    # Every block compiles from the same code object (Block.forward) and may get its own cache
+    # entry: raise dynamo's per-code limits with the number of blocks, so that no block of a deep
+    # model falls back to eager for want of room.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * max(n, 1))
     torch._dynamo.config.accumulated_cache_size_limit = max(
         torch._dynamo.config.accumulated_cache_size_limit, 64 * max(n, 1))
