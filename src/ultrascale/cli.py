@@ -60,8 +60,15 @@ TRAIN_FLAGS = [
     ("--lr-decay-steps", "train", "lr_decay_steps", int, "length of the cosine schedule, warmup included"),
     ("--weight-decay", "train", "weight_decay", float, "AdamW weight decay on matrices"),
     ("--grad-clip", "train", "grad_clip", float, "clip the global gradient norm (0: off)"),
-    ("--dtype", "train", "dtype", str, "fp32, or bf16 (bf16 compute, fp32 master weights and gradients)"),
+    ("--dtype", "train", "dtype", str, "fp32, bf16 or fp16 (16-bit compute, fp32 master weights and gradients; "
+                                       "fp16 with dynamic loss scaling)"),
+    ("--loss-scale-init", "train", "loss_scale_init", float, "fp16: the initial loss scale (default 65536)"),
+    ("--loss-scale-window", "train", "loss_scale_window", int,
+     "fp16: finite steps in a row after which the loss scale doubles (default 2000)"),
     ("--recompute", "train", "recompute", str, "activation recomputation: none, selective or full"),
+    ("--fp8", "train", "fp8", bool, "FP8 linear layers in the blocks (torchao, per-tensor dynamic scaling; "
+                                    "emulated on the CPU)"),
+    ("--compile", "train", "compile", bool, "torch.compile each transformer block (regional compilation)"),
     ("--seed", "train", "seed", int, "seed of the initial weights and of the data order"),
     ("--data", "train", "data", str, "text file, directory, glob, .jsonl, or hf:NAME (default: Python's stdlib)"),
     ("--data-column", "train", "data_column", str, "text field of JSONL lines or dataset rows"),
@@ -136,6 +143,20 @@ def _precheck(cfg) -> None:
     from ultrascale.train.data import _text_files
 
     t = cfg.train
+    if t.dtype != "fp32":
+        import torch
+
+        from ultrascale.parallel.precision import check_dtype_support
+
+        cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+        check_dtype_support(t.dtype, "cuda" if cuda else "cpu")
+    if t.fp8:
+        import torch
+
+        from ultrascale.parallel.fp8 import check_fp8_support
+
+        cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+        check_fp8_support("cuda" if cuda else "cpu")
     if t.data and not t.data.startswith("hf:"):
         _text_files(t.data)
     if t.init_from:

@@ -119,8 +119,14 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    dtype: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and gradients)
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (16-bit compute, fp32 master weights and gradients)
+    # fp16's dynamic loss scale (train/loss_scale.py): its start, and the finite steps in a row
+    # after which it doubles.
+    loss_scale_init: float = 65536.0
+    loss_scale_window: int = 2000
     recompute: str = "none"  # none | selective | full
+    compile: bool = False  # torch.compile each transformer block (parallel/compile.py)
+    fp8: bool = False  # FP8 linear layers in the blocks, per-tensor dynamic scaling (parallel/fp8.py)
     seed: int = 0
     data: str = ""  # empty: the Python standard library's source files
     data_column: str = "text"
@@ -176,8 +182,11 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
             f"--seq-len {t.seq_len} exceeds the model's limit of {cfg.model.max_seq_len} positions: "
             f"lower --seq-len or raise --max-seq-len"
         )
-    if t.dtype not in ("fp32", "bf16"):
-        raise ConfigError(f"--dtype must be fp32 or bf16, got {t.dtype!r}")
+    if t.dtype not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"--dtype must be fp32, bf16 or fp16, got {t.dtype!r}")
+    if not t.loss_scale_init >= 1 or t.loss_scale_window <= 0:
+        raise ConfigError(f"--loss-scale-init must be >= 1 and --loss-scale-window positive, got "
+                          f"{t.loss_scale_init:g} and {t.loss_scale_window}")
     if t.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"--recompute must be none, selective or full, got {t.recompute!r}")
     if t.device not in ("auto", "cpu", "cuda"):
@@ -189,6 +198,19 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         raise ConfigError(f"--grad-clip must be >= 0 (0 turns clipping off), got {t.grad_clip}")
     if t.profile:
         check_profile_steps(t)
+    if t.compile and cfg.model.is_moe:
+        # Measured (ep 2, 2 steps): the compiled router's first-step gradient 98% off the eager one,
+        # and every block recompiled for each new tokens-per-expert shape.
+        raise ConfigError("--compile with a Mixture-of-Experts model: the routing's data-dependent shapes "
+                          "defeat compilation and its router gradients differ from eager; drop --compile")
+    if t.fp8 and cfg.parallel.tp > 1:
+        raise ConfigError(f"--fp8 with --tp {cfg.parallel.tp}: the tensor-parallel layers are not nn.Linear, so "
+                          f"torchao's FP8 would not reach them; run --fp8 with --tp 1 (dp, ZeRO, pp, cp compose)")
+    if t.fp8 and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero-bubble":
+        raise ConfigError("--fp8 with --pp-schedule zero-bubble: FP8 layers would replace the deferrable linears "
+                          "that split the weight gradients; use another --pp-schedule")
+    if t.fp8 and t.compile:
+        raise ConfigError("--fp8 with --compile: not validated together yet; drop one of them")
     if t.resume and t.init_from:
         check_start(t.resume, t.init_from)
     if t.resume and not os.path.isdir(t.resume):

@@ -3,12 +3,15 @@
 1. `shard_model(ctx, cfg)`: a transform applied to the model on the meta device,
    before any memory is allocated: pipeline split, then tensor parallelism, then
    context parallelism (each block's core attention swapped for a variant that
-   attends across the cp ranks' shards of the sequence).
+   attends across the cp ranks' shards of the sequence), then, with --fp8, the
+   blocks' linear layers swapped for FP8 ones (parallel/fp8.py).
    `shard_sequences(micro_batches, ctx, cfg)`: under context parallelism, each
    micro-batch cut to this rank's shard of every sequence, with the shard's
    global positions for RoPE (the trainer passes them to the model).
 2. recomputation (train/recompute.py) wraps what is left (selective: the core
    attention, context-parallel or not, communication included).
+2b. `compile_model(model, cfg)`: with --compile, each transformer block's forward
+   compiled (parallel/compile.py), before data parallelism hooks into the model.
 3. `build_grads(model, params, ctx, cfg)`: who owns the gradients and how they are
    reduced across data-parallel ranks (plain, overlapped, bucketed, ZeRO).
 4. `loss_function(ctx, cfg)`: the loss over this rank's logits (vocabulary-sharded under TP).
@@ -56,6 +59,10 @@ def shard_model(ctx, cfg):
         from ultrascale.parallel.expert import apply_expert_parallel
 
         steps.append(lambda model: apply_expert_parallel(model, ctx, cfg.parallel.dispatch))
+    if cfg.train.fp8:
+        from ultrascale.parallel.fp8 import apply_fp8
+
+        steps.append(lambda model: apply_fp8(model, ctx.device))
     if not steps:
         return None
 
@@ -86,6 +93,14 @@ def pipeline_runtime(model, ctx, cfg, grads, loss_fn, meter):
     from ultrascale.parallel.pipeline.runtime import PipelineRuntime
 
     return PipelineRuntime(model, ctx, cfg, grads, loss_fn, meter)
+
+
+def compile_model(model, cfg) -> None:
+    """--compile: torch.compile each transformer block in place (regional compilation)."""
+    if cfg.train.compile:
+        from ultrascale.parallel.compile import compile_blocks
+
+        compile_blocks(model)
 
 
 def build_grads(model, params, ctx, cfg):

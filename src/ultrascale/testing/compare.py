@@ -205,7 +205,9 @@ def compare_against_single(label: str, cfg: RunConfig, world_size: int, fault: s
     """
     cfg = validate(cfg, world_size)
     m = cfg.model
-    same = cfg.train.dtype != "fp32" or bool(m.is_moe and (m.capacity_factor or m.aux_loss_coef))
+    # FP8's per-tensor scales come from each micro-batch's amax: the same micro-batches too.
+    same = (cfg.train.dtype != "fp32" or cfg.train.fp8
+            or bool(m.is_moe and (m.capacity_factor or m.aux_loss_coef)))
     ref = RunRecord.of(train_single(single_process_config(cfg, same_micro_batches=same)))
     per_rank = train_parallel(cfg, world_size, fault=fault)
     label = label + (f" [fault: {fault}]" if fault else "")

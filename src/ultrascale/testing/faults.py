@@ -34,6 +34,10 @@ FAULTS = {
     "all-to-all-backward-dropped": "the dispatch all-to-all's backward returns no gradient to the tokens",
     "all-gather-backward-dropped": "the all-gather dispatch's backward returns no gradient to the tokens",
     "expert-norm-counted-per-replica": "replicated expert gradients counted once per edp replica in the norm",
+    # fp16 loss scaling (train/loss_scale.py). The first is a condition, not a bug: the engine must skip
+    # the step on every rank; the second adds the bug of deciding the skip on each rank alone.
+    "fp16-inf-on-last-rank": "the first step's gradient overflows on the last rank only",
+    "fp16-skip-decided-locally": "the overflow above, and each rank decides alone whether to skip (no all-reduce)",
 }
 
 
@@ -193,6 +197,31 @@ def _expert_norm_per_replica(owner):
         owner.norm_shares = owner.norm_shares[:len(owner.norm_shares) - n] + [1.0] * n
 
 
+def _inf_on_last_rank(owner):
+    import torch.distributed as dist
+
+    finish, calls = owner.finish, []
+
+    def overflowing_finish():
+        finish()
+        calls.append(1)
+        if len(calls) == 1 and dist.get_rank() == dist.get_world_size() - 1:
+            owner.grads()[0].view(-1)[0] = float("inf")
+
+    owner.finish = overflowing_finish
+
+
+@contextlib.contextmanager
+def _skip_decided_locally():
+    from ultrascale.train.loss_scale import DynamicLossScaler
+
+    check = DynamicLossScaler.unscale_and_check
+    with _wrap_build_grads(_inf_on_last_rank), \
+            mock.patch.object(DynamicLossScaler, "unscale_and_check",
+                              lambda self, grads, world: check(self, grads, world=False)):
+        yield
+
+
 # How each fault is patched in: a factory of the patch's context manager.
 _PATCHES = {
     "grads-scaled-1.01": lambda: _wrap_build_grads(lambda owner: _scale_after_finish(owner, 1.01)),
@@ -204,6 +233,8 @@ _PATCHES = {
     "all-to-all-backward-dropped": _all_to_all_backward_dropped,
     "all-gather-backward-dropped": _all_gather_backward_dropped,
     "expert-norm-counted-per-replica": lambda: _wrap_build_grads(_expert_norm_per_replica),
+    "fp16-inf-on-last-rank": lambda: _wrap_build_grads(_inf_on_last_rank),
+    "fp16-skip-decided-locally": _skip_decided_locally,
 }
 
 

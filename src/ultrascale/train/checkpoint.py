@@ -170,7 +170,8 @@ def save(path: str, trainer) -> None:
         ctx.barrier()
         if ctx.rank == 0:
             meta = {"format": FORMAT, "step": trainer.step, "world_size": ctx.world_size,
-                    "config": trainer.cfg.to_dict(), **({"router_bias": biases} if biases else {})}
+                    "config": trainer.cfg.to_dict(), **({"router_bias": biases} if biases else {}),
+                    **({"loss_scale": trainer.scaler.state_dict()} if trainer.scaler is not None else {})}
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=2)
             if os.path.exists(path):
@@ -194,6 +195,8 @@ def load(path: str, trainer) -> int:
         dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(chunks),
                  no_dist=not trainer.ctx.is_distributed)
     trainer.main.copy_to_model()  # masters -> compute parameters (and ZeRO's all-gather)
+    if trainer.scaler is not None and "loss_scale" in meta:
+        trainer.scaler.load_state_dict(meta["loss_scale"])
     saved = meta.get("router_bias", {})
     with torch.no_grad():
         for name, b in trainer.model.named_buffers():

@@ -32,7 +32,7 @@ def peak_tflops(device: torch.device, dtype: str) -> float | None:
     name = torch.cuda.get_device_name(device)
     for key, peaks in PEAK_TFLOPS.items():
         if key in name:
-            return peaks[dtype]
+            return peaks.get(dtype, peaks["bf16"] if dtype == "fp16" else None)
     return None
 
 

@@ -27,7 +27,8 @@ from ultrascale.config import ConfigError
 FORMAT = 2  # of the checkpoint directory (train/checkpoint.py)
 # TrainConfig fields that change what the continuation computes.
 SAME_TRAIN = ("seq_len", "seed", "data", "data_column", "data_split", "tokenizer", "dtype", "lr", "min_lr_ratio",
-              "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
+              "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "fp8",
+              "loss_scale_window")
 GRID = ("dp", "tp", "pp", "cp", "ep")
 
 

@@ -4,6 +4,9 @@ A step: zero the fp32 gradients; for each micro-batch run forward and backward
 with the loss divided by the number of micro-batches (so the sum is the mean over
 the global batch), communicating only after the last one; clip; let AdamW update
 the fp32 main parameters; copy them back to the compute parameters.
+Under fp16 the loss is also multiplied by the dynamic loss scale, the gradients
+divided by it after the reduction, and a step whose gradients are not finite on
+some rank is skipped by every rank (train/loss_scale.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ultrascale.model import build_model, flops_per_token
 from ultrascale.model.moe import moe_layers, step_loads, update_router_bias
 from ultrascale.train import checkpoint, resume
 from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
+from ultrascale.train.loss_scale import DynamicLossScaler
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_tflops, storage_bytes
 from ultrascale.train.optim import build_adamw, clip_grad_norm_, lr_at
 from ultrascale.train.profile import BACKWARD, FORWARD, OPTIMIZER, STEP, comm, profile_window, span
@@ -47,6 +51,10 @@ class Trainer:
         self.cfg, self.ctx, self.log_to_stdout = cfg, ctx, log_to_stdout
         self.keep_first_grads, self.first_grads = keep_first_grads, None
         t = cfg.train
+        from ultrascale.parallel.precision import check_dtype_support
+
+        check_dtype_support(t.dtype, ctx.device)  # before any work: a dtype this device cannot run
+        self.scaler = (DynamicLossScaler(t.loss_scale_init, t.loss_scale_window) if t.dtype == "fp16" else None)
         tokenizer = load_tokenizer(t.tokenizer)
         if tokenizer.vocab_size > cfg.model.vocab_size:
             from ultrascale.config import ConfigError
@@ -66,6 +74,7 @@ class Trainer:
         self.model = build_model(cfg.model, t.seed, ctx.device, transform=parallel.shard_model(ctx, cfg),
                                  source=source)
         apply_recompute(self.model, t.recompute)
+        parallel.compile_model(self.model, cfg)  # --compile: after sharding and recomputation, before dp
         self.moe = moe_layers(self.model)
         for m in self.moe:
             # The aux losses join each micro-batch's loss as the loss does: divided by their number.
@@ -98,7 +107,9 @@ class Trainer:
     # -- one step -----------------------------------------------------------
     def forward_backward(self, micro_batches) -> float:
         """Run every micro-batch (inputs, targets, positions); return the mean loss of this rank's micro-batches."""
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.pipeline is not None:
+            self.pipeline.loss_scale = scale
             return self.pipeline.run(micro_batches)
         n = len(micro_batches)
         total = torch.zeros((), device=self.ctx.device)
@@ -109,7 +120,7 @@ class Trainer:
                 with measure, span(FORWARD):
                     loss = self.loss_fn(self.model(inputs, positions), targets)
                 with span(BACKWARD):
-                    (loss / n).backward()
+                    (loss * (scale / n) if scale != 1.0 else loss / n).backward()
             total += loss.detach()
         return (total / n).item()
 
@@ -123,10 +134,16 @@ class Trainer:
             m.reset_stats()
         loss = self.forward_backward(micro_batches)
         self.grads.finish()
+        scale, finite = None, True
+        if self.scaler is not None:
+            # Unscale, and agree over every rank whether any gradient overflowed.
+            scale = self.scaler.scale
+            finite = self.scaler.unscale_and_check(self.grads.grads(), world=ctx.world_size > 1)
+            self.scaler.update(finite)
         if self.keep_first_grads and self.first_grads is None:
             # The parallel algebra itself, before the optimizer can amplify or hide anything.
             self.first_grads = parallel.full_state(self.names, self.grads.params, self.grads.full_grads(), ctx)
-        grad_norm, lr = self.optimizer_step()
+        grad_norm, lr = self.optimizer_step(finite)
         moe = self._moe_step() if self.moe else None
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
@@ -143,15 +160,19 @@ class Trainer:
             "mfu": tflops / self.peak if self.peak else None,
             "step_time_s": elapsed, "memory": self.memory(),
             **({"moe": moe} if moe is not None else {}),
+            **({"loss_scale": scale, "skipped": not finite} if scale is not None else {}),
         }
 
-    def optimizer_step(self) -> tuple[float, float]:
-        """Clip the reduced gradients, update the main parameters, copy them to the model."""
+    def optimizer_step(self, finite: bool = True) -> tuple[float | None, float]:
+        """Clip the reduced gradients, update the main parameters, copy them to the model; a step
+        whose gradients overflowed (fp16) is skipped, and has no meaningful norm."""
         t = self.cfg.train
+        lr = lr_at(self.step, t)
+        if not finite:
+            return None, lr
         with span(OPTIMIZER):
             grads = self.grads.grads()
             grad_norm = clip_grad_norm_(grads, t.grad_clip, self._reduce_norm_sq, self.norm_shares)
-            lr = lr_at(self.step, t)
             for group in self.opt.param_groups:
                 group["lr"] = lr
             self.main.attach_grads(grads)
@@ -292,10 +313,13 @@ def format_step(m: dict) -> str:
     moe = "" if e is None else (
         f" | tokens/expert {e['tokens_per_expert_min']}-{e['tokens_per_expert_max']} cv "
         f"{e['tokens_per_expert_cv']:.2f} drop {100 * e['dropped_fraction']:.1f}% aux {e['aux_loss']:.3f}")
-    return (f"step {m['step']:>5} | loss {m['loss']:.4f} | grad norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+    norm = "skipped" if m["grad_norm"] is None else f"{m['grad_norm']:.3f}"
+    scale = "" if "loss_scale" not in m else (
+        f" | loss scale {m['loss_scale']:g}{' (overflow: step skipped)' if m['skipped'] else ''}")
+    return (f"step {m['step']:>5} | loss {m['loss']:.4f} | grad norm {norm} | lr {m['lr']:.2e} | "
             f"{m['tokens_per_s']:,.0f} tok/s | {m['tflops']:.3f} TFLOP/s{mfu} | "
             f"params {_mb(mem['params'])} grads {_mb(mem['grads'])} optim {_mb(mem['optim'])} "
-            f"act {_mb(mem['activations'])}{moe}")
+            f"act {_mb(mem['activations'])}{moe}{scale}")
 
 
 def run_training(cfg: RunConfig, ctx: ParallelContext, log_to_stdout: bool = False,

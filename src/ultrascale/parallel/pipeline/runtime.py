@@ -35,6 +35,7 @@ class PipelineRuntime:
     def __init__(self, model, ctx, cfg, grads, loss_fn, meter):
         pc, t = cfg.parallel, cfg.train
         self.ctx, self.grads, self.loss_fn, self.meter = ctx, grads, loss_fn, meter
+        self.loss_scale = 1.0  # set by the trainer each step under fp16
         self.p, self.v, self.rank = ctx.size("pp"), pc.pp_chunks, ctx.index("pp")
         self.m, self.seq_len = t.grad_accum, t.seq_len
         self.measure = t.measure_activations
@@ -103,7 +104,8 @@ class PipelineRuntime:
                     if chunk.last:
                         loss = self.loss_fn(out, micro_batches[a.micro][1])
                         losses[key] = loss.detach()
-                        out = loss / self.m  # the sum over micro-batches is the global-batch mean
+                        # The sum over micro-batches is the global-batch mean (times fp16's loss scale).
+                        out = loss / self.m if self.loss_scale == 1.0 else loss * (self.loss_scale / self.m)
                 outputs[key] = out
                 if self.measure:
                     held[key] = sum(self.meter.saved.values())
