@@ -2,7 +2,7 @@
 must say, code), and lines the notebook must print from its own runs."""
 
 MISTAKES = [
-    ("1", "dp innermost", "you peeled dp off first", '''
+    ("1", "dp innermost", "as if dp were innermost", '''
     def grid_position(rank, dp, pp, cp, tp):
         sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
         coords, rem = {}, rank

@@ -70,7 +70,7 @@ def _compare(layout: dict, rank: int, engine, got) -> None:
             rem //= size
         if got_coords == rev and rev != flipped:
             raise AssertionError(f"{call}: coords {got_coords}, the engine's {want_coords} ({_label(layout)}): "
-                                 f"you peeled dp off first, as if dp were innermost; the grid is "
+                                 f"you laid the grid out as if dp were innermost (dp peeled off first); the grid is "
                                  f"arange(world).reshape(dp, pp, cp, tp), so tp = rank % tp comes first, then cp, "
                                  f"pp and dp")
         raise AssertionError(f"{call}: coords {got_coords}, the engine's {want_coords} ({_label(layout)}): the grid "
@@ -96,9 +96,25 @@ def _compare(layout: dict, rank: int, engine, got) -> None:
             raise AssertionError(f"{call}: your pp group {mine} steps by tp = {layout['tp']}, the engine's is {want} "
                                  f"({_label(layout)}): between two pipeline stages lie a whole cp x tp block, so "
                                  f"pp neighbours are cp x tp = {stride} ranks apart")
+        if mine == _reversed_group(layout, rank, name) and mine != want:
+            raise AssertionError(f"{call}: your {name} group is {mine}, the engine's {want} ({_label(layout)}): you "
+                                 f"laid the grid out as if dp were innermost; the grid is arange(world).reshape(dp, "
+                                 f"pp, cp, tp), tp innermost, so tp groups are consecutive ranks and a dimension's "
+                                 f"stride is the product of the sizes inside it (pp: cp x tp, dp: pp x cp x tp)")
         raise AssertionError(f"{call}: your {name} group is {mine}, the engine's {want} ({_label(layout)}): the "
                              f"ranks that differ only in their {name} coordinate, {name} index 0 first; they are "
                              f"{stride} apart (the product of the sizes inside {name})")
+
+
+def _reversed_group(layout: dict, rank: int, name: str) -> list[int]:
+    """The `name` group of `rank` on the grid laid out the other way round (dp innermost)."""
+    strides, s = {}, 1
+    for d in DIMS:
+        strides[d] = s
+        s *= layout[d]
+    index = rank // strides[name] % layout[name]
+    first = rank - index * strides[name]
+    return [first + i * strides[name] for i in range(layout[name])]
 
 
 RANK_LAYOUTS = [dict(dp=2, pp=1, cp=1, tp=2), dict(dp=2, pp=2, cp=1, tp=1), dict(dp=1, pp=2, cp=1, tp=2),
