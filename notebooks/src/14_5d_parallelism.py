@@ -136,7 +136,8 @@ found = search(LLAMA_70B, 64, H100, PLANNER, seq_len=4096, global_batch_tokens=2
                fixed={"cp": 1, "recompute": "none"})
 print(f"{len(found.ranked)} of {found.enumerated} layouts fit; the first five:")
 for c in found.ranked[:5]:
-    print(f"  {c.layout.label():55s} {c.memory.peak.total / GiB:5.1f} GiB  {c.time.tokens_per_s_per_gpu:5.0f} tok/s/GPU")
+    print(f"  {c.layout.label():55s} {c.memory.peak.total / GiB:5.1f} GiB  "
+          f"{c.time.tokens_per_s_per_gpu:5.0f} tok/s/GPU")
 
 print("\nThe fastest fitting layout for each (tp, pp), and where its step time goes (seconds):")
 best = {}
@@ -144,7 +145,8 @@ for c in found.ranked:
     best.setdefault((c.layout.tp, c.layout.pp), c)
 for (tp, pp), c in sorted(best.items(), key=lambda kv: -kv[1].time.tokens_per_s_per_gpu)[:6]:
     b = c.time.breakdown
-    print(f"  tp{tp} pp{pp} dp{c.layout.dp:<2d} {c.time.tokens_per_s_per_gpu:5.0f} tok/s/GPU: compute {b['compute']:5.2f}"
+    print(f"  tp{tp} pp{pp} dp{c.layout.dp:<2d} {c.time.tokens_per_s_per_gpu:5.0f} tok/s/GPU: "
+          f"compute {b['compute']:5.2f}"
           f"  tp comm {b['tp_comm']:4.2f}  bubble {b['bubble']:4.2f}  dp comm {b['dp_comm']:4.2f}"
           f"  overhead {b['kernel_overhead']:4.2f}")
 ''')
@@ -178,13 +180,15 @@ ok = [r for r in rows if r["status"] == "ok"]
 for model, nodes in (("8B", 1), ("8B", 8), ("8B", 64), ("80B", 8)):
     group = [r for r in ok if r["model"] == model and int(r["nodes"]) == nodes]
     r = max(group, key=lambda r: float(r["tokens_per_s_per_gpu"]))  # the group's fastest measured run
-    print(f"{model:>3s} on {nodes:2d} nodes, fastest measured dp{r['dp']} tp{r['tp']} pp{r['pp']} zero{r['zero_stage']} "
-          f"mbs{r['micro_batch']}: measured {float(r['tokens_per_s_per_gpu']):7,.0f}, predicted {predicted(r):7,.0f} "
-          f"tokens/s/GPU")
+    layout = f"dp{r['dp']} tp{r['tp']} pp{r['pp']} zero{r['zero_stage']} mbs{r['micro_batch']}"
+    print(f"{model:>3s} on {nodes:2d} nodes, fastest measured {layout}: "
+          f"measured {float(r['tokens_per_s_per_gpu']):7,.0f}, predicted {predicted(r):7,.0f} tokens/s/GPU")
 print("\npredicted / measured tokens/s/GPU, median over the finished runs:")
 for nodes in (1, 2, 8, 32, 64):
-    ratios = [predicted(r) / float(r["tokens_per_s_per_gpu"]) for r in ok if int(r["nodes"]) == nodes]
-    print(f"  {nodes:2d} nodes: {statistics.median(ratios):5.2f}  ({len(ratios)} runs)")
+    runs = [r for r in ok if int(r["nodes"]) == nodes]
+    ratio = statistics.median(predicted(r) / float(r["tokens_per_s_per_gpu"]) for r in runs)
+    mfu = statistics.median(float(r["mfu_pct"]) for r in runs)
+    print(f"  {nodes:2d} nodes: {ratio:5.2f}  ({len(runs)} runs, median measured MFU {mfu:.1f}%)")
 ''')
 
 EMIT = code(r'''
@@ -354,9 +358,10 @@ rank correlation (1: the same order, 0: unrelated):
             md(r'''
 The ranking is good (a mean Spearman above 0.7, most groups above it); the weakest groups are 8B and 80B on
 few nodes, where some measured runs (ZeRO-0 with pipeline parallelism) are far slower than any collective
-explains. On one or two nodes the absolute predictions are close. At 32-64 nodes the measured runs are several times slower than the model predicts,
-as the ratios above show: those runs reach a few percent MFU, far below what bandwidth and latency explain
-(docs/planner.md discusses it). Use the planner to **rank and prune**, then measure the few best layouts on
+explains. On one or two nodes the absolute predictions are close. At 32-64 nodes the measured runs are
+several times slower than the model predicts, as the ratios above show: their median MFU is a fraction of
+what the same runs reach on one node, far below what bandwidth and latency explain (docs/planner.md
+discusses it). Use the planner to **rank and prune**, then measure the few best layouts on
 the real cluster before a long run - especially at scale.
 '''),
         ]),
