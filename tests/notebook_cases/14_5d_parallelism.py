@@ -87,6 +87,17 @@ MISTAKES = [
                 and sequences % (gpus // (tp * pp)) == 0 and memory_per_gpu(gpus // (tp * pp), pp, tp) <= limit]
         return min(fits, key=lambda lay: memory_per_gpu(*lay)) if fits else None
     '''),
+    ("2", "returns (dp, tp, pp)", "in the order (dp, tp, pp); return (dp, pp, tp)", '''
+    def best_layout(gpus, heads, layers, sequences, memory_per_gpu, tokens_per_s, limit):
+        fits = [(gpus // (tp * pp), pp, tp) for tp in range(1, 9) for pp in range(1, gpus + 1)
+                if gpus % (tp * pp) == 0 and heads % tp == 0 and layers % pp == 0
+                and sequences % (gpus // (tp * pp)) == 0 and memory_per_gpu(gpus // (tp * pp), pp, tp) <= limit]
+        if not fits:
+            return None
+        best = max(tokens_per_s(*lay) for lay in fits)
+        dp, pp, tp = min((lay for lay in fits if tokens_per_s(*lay) >= 0.99 * best), key=lambda lay: (lay[1], lay[2]))
+        return dp, tp, pp
+    '''),
     ("2", "no tie rule", "a tie the time model cannot tell apart", '''
     def best_layout(gpus, heads, layers, sequences, memory_per_gpu, tokens_per_s, limit):
         fits = [(gpus // (tp * pp), pp, tp) for tp in range(1, 9) for pp in range(1, gpus + 1)

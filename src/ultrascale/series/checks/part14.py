@@ -175,6 +175,8 @@ def _judge(case: str, args, got, fmt=str):
     assert isinstance(got, tuple) and len(got) == 3 and all(isinstance(v, int) for v in got), (
         f"{case}: return a tuple of three ints (dp, pp, tp), got {got!r}")
     dp, pp, tp = got
+    assert (dp, tp, pp) != want or pp == tp, (
+        f"{case}: you returned {got}, which is the expected layout in the order (dp, tp, pp); return (dp, pp, tp)")
     assert dp * pp * tp == gpus, f"{case}: dp {dp} x pp {pp} x tp {tp} = {dp * pp * tp}, not the {gpus} GPUs"
     assert tp <= 8, (f"{case}: tp = {tp} spans more than one 8-GPU node: tensor parallelism's per-layer "
                      f"collectives need NVLink, so tp <= 8")
