@@ -260,14 +260,13 @@ passes K/V around its cp group. Composing them means giving every rank one coord
 $$\text{rank} = ((d \cdot P + p) \cdot C + c) \cdot T + t \qquad\text{i.e.}\qquad
 \text{ranks} = \texttt{arange(world).reshape(dp, pp, cp, tp)}$$
 
-A group is a line through this grid: the ranks that differ in one coordinate only. The **order** is a
+with $d, p, c, t$ the rank's coordinates and $P, C, T$ the pp, cp and tp sizes. A group is a line through this grid: the ranks that differ in one coordinate only. The **order** is a
 decision about the network. tp is innermost, so a tp group is consecutive ranks - the GPUs of one node,
 joined by NVLink, because tensor parallelism communicates inside every layer. dp is outermost: its one
 gradient reduction per step (overlapped with backward) tolerates the slowest links. Megatron-LM and
 torchtitan build the same kind of grid with other outer orders (torchtitan's device mesh is
 `["pp", "dp_replicate", "dp_shard", "cp", "tp"]`, Megatron-LM's default order is `tp-cp-ep-dp-pp` from the
-inside); all keep tp innermost. Gradients are averaged over
-dp and cp **together** (Part 10: both see different tokens of the same weights): that is the `dp_cp` group.
+inside); all keep tp innermost. Gradients are averaged over dp and cp **together** (Part 10: both see different tokens of the same weights): that is the `dp_cp` group.
 Expert parallelism is carved out of dp (Part 13), so it adds no dimension of its own to the world size.
 '''),
             GRID_8,
