@@ -1,0 +1,295 @@
+"""Checks of Part 14: 5-D parallelism and finding the best configuration.
+
+exercise_1(grid_position)  a global rank's coordinates on the dp x pp x cp x tp grid and the ranks of
+                           its tp / dp / pp groups, tp innermost: first on 4 real ranks against the
+                           groups the engine builds there (build_context), then for larger layouts
+                           against the engine's grid (grid_groups).
+exercise_2(best_layout)    a small search over (dp, pp, tp) under the stated constraints, ranked by a
+                           given throughput function: first on hand-made functions where each rule
+                           decides the answer, then with the planner's memory and time models, compared
+                           with the planner's own choice (ultrascale.plan.search, pinned to the same
+                           knobs so that the search stays fast).
+"""
+
+from __future__ import annotations
+
+import math
+
+DIMS = ("dp", "pp", "cp", "tp")
+
+
+# ---- exercise 1 ---------------------------------------------------------------------------------
+
+def _engine(layout: dict, rank: int):
+    """(coords, {tp, dp, pp: ranks}) from the engine's grid."""
+    from ultrascale.config import ParallelConfig
+    from ultrascale.distributed.context import _coords, grid_groups
+
+    world = math.prod(layout[d] for d in DIMS)
+    groups = grid_groups(ParallelConfig(**layout), world)
+    mine = {name: next(g for g in groups[name] if rank in g) for name in ("tp", "dp", "pp")}
+    return _coords(ParallelConfig(**layout), rank), mine
+
+
+def _on_rank(grid_position, layouts):
+    """On each real rank: the learner's answer and the groups the engine built on this rank."""
+    import torch.distributed as dist
+
+    from ultrascale.config import ParallelConfig
+    from ultrascale.distributed.context import build_context
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for layout in layouts:
+        ctx = build_context(ParallelConfig(**layout), rank, world)
+        engine = (dict(ctx.coords), {name: list(ctx.group_ranks[name]) for name in ("tp", "dp", "pp")})
+        out.append((layout, engine, grid_position(rank, layout["dp"], layout["pp"], layout["cp"], layout["tp"])))
+    return out
+
+
+def _label(layout: dict) -> str:
+    return " x ".join(f"{d}{layout[d]}" for d in DIMS if layout[d] > 1) or "one rank"
+
+
+def _compare(layout: dict, rank: int, engine, got) -> None:
+    call = f"grid_position({rank}, dp={layout['dp']}, pp={layout['pp']}, cp={layout['cp']}, tp={layout['tp']})"
+    assert isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], dict) and isinstance(got[1], dict), (
+        f"{call} returned {got!r}: return a tuple (coords, groups) of two dicts")
+    coords, groups = got
+    want_coords, want_groups = engine
+    for d in DIMS:
+        assert d in coords, f"{call}: coords has no {d!r} entry; give all four: dp, pp, cp, tp"
+    got_coords = {d: int(coords[d]) for d in DIMS}
+    if got_coords != want_coords:
+        flipped = {d: want_coords[d] for d in DIMS}
+        # A layout read with dp innermost gives the coordinates of the reversed grid.
+        rem, rev = rank, {}
+        for d in DIMS:
+            size = layout[d]
+            rev[d] = rem % size
+            rem //= size
+        if got_coords == rev and rev != flipped:
+            raise AssertionError(f"{call}: coords {got_coords}, the engine's {want_coords} ({_label(layout)}): "
+                                 f"you laid the grid out as if dp were innermost (dp peeled off first); the grid is "
+                                 f"arange(world).reshape(dp, pp, cp, tp), so tp = rank % tp comes first, then cp, "
+                                 f"pp and dp")
+        raise AssertionError(f"{call}: coords {got_coords}, the engine's {want_coords} ({_label(layout)}): the grid "
+                             f"is arange(world).reshape(dp, pp, cp, tp): tp = rank % tp, then rank //= tp, and so "
+                             f"on through cp, pp, dp (every size counts, cp included)")
+    for name, stride_dims in (("tp", ()), ("dp", ("pp", "cp", "tp")), ("pp", ("cp", "tp"))):
+        assert name in groups, f"{call}: groups has no {name!r} entry; give tp, dp and pp"
+        mine = [int(r) for r in groups[name]]
+        want = want_groups[name]
+        if mine == want:
+            continue
+        stride = math.prod(layout[d] for d in stride_dims)
+        if sorted(mine) == want:
+            raise AssertionError(f"{call}: your {name} group {mine} has the right ranks in another order; the "
+                                 f"engine lists a group by increasing {name} index, {want}: the rank at {name} "
+                                 f"index i is group[i] (pipeline stage i, shard i)")
+        if name == "dp" and mine == [rank // layout["dp"] * layout["dp"] + i for i in range(layout["dp"])]:
+            raise AssertionError(f"{call}: your dp group {mine} is made of consecutive ranks, the engine's is "
+                                 f"{want}: consecutive ranks are the tp group (tp is innermost); dp is outermost, "
+                                 f"its ranks are pp x cp x tp = {stride} apart")
+        if name == "pp" and layout["cp"] > 1 and len(mine) == layout["pp"] and len(mine) > 1 \
+                and mine[1] - mine[0] == layout["tp"]:
+            raise AssertionError(f"{call}: your pp group {mine} steps by tp = {layout['tp']}, the engine's is {want} "
+                                 f"({_label(layout)}): between two pipeline stages lie a whole cp x tp block, so "
+                                 f"pp neighbours are cp x tp = {stride} ranks apart")
+        if mine == _reversed_group(layout, rank, name) and mine != want:
+            raise AssertionError(f"{call}: your {name} group is {mine}, the engine's {want} ({_label(layout)}): you "
+                                 f"laid the grid out as if dp were innermost; the grid is arange(world).reshape(dp, "
+                                 f"pp, cp, tp), tp innermost, so tp groups are consecutive ranks and a dimension's "
+                                 f"stride is the product of the sizes inside it (pp: cp x tp, dp: pp x cp x tp)")
+        raise AssertionError(f"{call}: your {name} group is {mine}, the engine's {want} ({_label(layout)}): the "
+                             f"ranks that differ only in their {name} coordinate, {name} index 0 first; they are "
+                             f"{stride} apart (the product of the sizes inside {name})")
+
+
+def _reversed_group(layout: dict, rank: int, name: str) -> list[int]:
+    """The `name` group of `rank` on the grid laid out the other way round (dp innermost)."""
+    strides, s = {}, 1
+    for d in DIMS:
+        strides[d] = s
+        s *= layout[d]
+    index = rank // strides[name] % layout[name]
+    first = rank - index * strides[name]
+    return [first + i * strides[name] for i in range(layout[name])]
+
+
+RANK_LAYOUTS = [dict(dp=2, pp=1, cp=1, tp=2), dict(dp=2, pp=2, cp=1, tp=1), dict(dp=1, pp=2, cp=1, tp=2),
+                dict(dp=1, pp=2, cp=2, tp=1)]
+GRID_LAYOUTS = [dict(dp=2, pp=2, cp=1, tp=2), dict(dp=2, pp=2, cp=2, tp=2), dict(dp=4, pp=2, cp=1, tp=2),
+                dict(dp=2, pp=4, cp=2, tp=4), dict(dp=3, pp=2, cp=2, tp=2), dict(dp=2, pp=3, cp=1, tp=4)]
+
+
+def exercise_1(grid_position, world: int = 4):
+    from ultrascale.series.ranks import on_ranks
+
+    # Pure layouts first (cheap, and they name a wrong order before any process is involved).
+    for layout in GRID_LAYOUTS:
+        n = math.prod(layout[d] for d in DIMS)
+        for rank in sorted({0, 1, n // 2 - 1, n // 2 + 1, n - 2, n - 1}):
+            _compare(layout, rank, _engine(layout, rank), grid_position(rank, layout["dp"], layout["pp"],
+                                                                          layout["cp"], layout["tp"]))
+    # Then on real ranks: each rank computes its own place, next to the groups the engine built there.
+    per_rank = on_ranks(world, _on_rank, grid_position, RANK_LAYOUTS)
+    for rank, results in enumerate(per_rank):
+        for layout, engine, got in results:
+            _compare(layout, rank, engine, got)
+    print(f"Same coordinates and groups as the engine: {len(GRID_LAYOUTS)} layouts of 8-48 ranks, and "
+          f"{len(RANK_LAYOUTS)} layouts on {world} real ranks against the groups each rank built")
+
+
+# ---- exercise 2 ---------------------------------------------------------------------------------
+
+TIE = 0.01  # the planner's: throughputs within 1% are a tie, the simpler layout wins
+
+
+def _valid(gpus, heads, layers, sequences):
+    for tp in range(1, gpus + 1):
+        for pp in range(1, gpus // tp + 1):
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            if tp <= 8 and heads % tp == 0 and layers % pp == 0 and sequences % dp == 0:
+                yield dp, pp, tp
+
+
+def reference(gpus, heads, layers, sequences, memory_per_gpu, tokens_per_s, limit):
+    fits = [lay for lay in _valid(gpus, heads, layers, sequences) if memory_per_gpu(*lay) <= limit]
+    if not fits:
+        return None
+    best = max(tokens_per_s(*lay) for lay in fits)
+    band = [lay for lay in fits if tokens_per_s(*lay) >= best * (1 - TIE)]
+    return min(band, key=lambda lay: (lay[1], lay[2]))
+
+
+def _judge(case: str, args, got, fmt=str):
+    gpus, heads, layers, sequences, memory_per_gpu, tokens_per_s, limit = args
+    want = reference(*args)
+    if want is None:
+        assert got is None, f"{case}: no layout fits in memory, return None; you returned {got!r}"
+        return
+    assert got is not None, f"{case}: you returned None, but {want} (dp, pp, tp) fits and is valid"
+    assert isinstance(got, tuple) and len(got) == 3 and all(isinstance(v, int) for v in got), (
+        f"{case}: return a tuple of three ints (dp, pp, tp), got {got!r}")
+    dp, pp, tp = got
+    assert (dp, tp, pp) != want or pp == tp, (
+        f"{case}: you returned {got}, which is the expected layout in the order (dp, tp, pp); return (dp, pp, tp)")
+    assert dp * pp * tp == gpus, f"{case}: dp {dp} x pp {pp} x tp {tp} = {dp * pp * tp}, not the {gpus} GPUs"
+    assert tp <= 8, (f"{case}: tp = {tp} spans more than one 8-GPU node: tensor parallelism's per-layer "
+                     f"collectives need NVLink, so tp <= 8")
+    assert heads % tp == 0, (f"{case}: tp = {tp} does not divide the {heads} attention heads: each tensor-parallel "
+                             f"rank holds a whole number of heads")
+    assert layers % pp == 0, (f"{case}: pp = {pp} does not divide the {layers} layers: every stage holds the same "
+                              f"number of layers")
+    assert sequences % dp == 0, (f"{case}: dp = {dp} does not divide the {sequences} sequences of the global batch: "
+                                 f"the batch must split evenly over the replicas (step 2)")
+    mem = memory_per_gpu(*got)
+    assert mem <= limit, (f"{case}: {got} needs {fmt(mem)} per GPU, above the limit of {fmt(limit)}: drop every "
+                          f"layout that does not fit before ranking (step 1)")
+    fits = [lay for lay in _valid(gpus, heads, layers, sequences) if memory_per_gpu(*lay) <= limit]
+    best = max(tokens_per_s(*lay) for lay in fits)
+    mine = tokens_per_s(*got)
+    if mine < best * (1 - TIE):
+        fastest = max(fits, key=lambda lay: tokens_per_s(*lay))
+        least = min(memory_per_gpu(*lay) for lay in fits)
+        why = (" - you chose a layout that needs the least memory; fitting is only step 1, among what fits "
+               "take the fastest (step 3)" if mem == least else ": rank what fits by tokens_per_s (step 3)")
+        raise AssertionError(f"{case}: {got} gives {mine:,.0f} tokens/s/GPU, {fastest} gives {best:,.0f}{why}")
+    assert got == want, (f"{case}: {got} is within 1% of the fastest ({mine:,.0f} vs {best:,.0f} tokens/s/GPU), a "
+                         f"tie the time model cannot tell apart; the planner then takes the simplest, {want}: fewest "
+                         f"pipeline stages, then fewest tp ranks")
+
+
+def _synthetic():
+    """(what it tests, args): hand-made memory and throughput functions, each case decided by one rule."""
+    fits = lambda dp, pp, tp: 1.0  # noqa: E731
+    return [
+        ("tp capped at a node", (32, 32, 8, 32, fits, lambda dp, pp, tp: 100.0 * tp + dp, 10.0)),
+        ("tp divides the heads", (8, 12, 8, 8, fits, lambda dp, pp, tp: 100.0 * tp + dp, 10.0)),
+        ("pp divides the layers", (8, 8, 6, 8, fits, lambda dp, pp, tp: 100.0 * pp + tp, 10.0)),
+        ("dp divides the batch", (8, 8, 8, 4, fits, lambda dp, pp, tp: 100.0 * dp + tp, 10.0)),
+        ("memory first", (8, 8, 8, 8, lambda dp, pp, tp: 100.0 / (pp * tp), lambda dp, pp, tp: 100.0 * dp - pp, 30.0)),
+        ("ties go to the simpler layout", (8, 8, 8, 8, fits, lambda dp, pp, tp: 1000.0 + pp + tp, 10.0)),
+        ("nothing fits", (8, 8, 8, 8, lambda dp, pp, tp: 50.0, lambda dp, pp, tp: 1.0, 10.0)),
+    ]
+
+
+PINNED = {"cp": 1, "zero": 1, "recompute": "none", "micro_batch": 1, "schedule": "1f1b"}
+# (model, GPU, GPUs, tokens per step); sequences of 4096 tokens
+PLANNER_CASES = [("llama3-70b", "h100-80gb", 64, 2**20), ("llama3-8b", "h100-80gb", 16, 2**20),
+                 ("llama3-70b", "h200", 32, 2**20), ("llama3-8b", "a100-40gb", 8, 2**19)]
+
+
+def _planner():
+    """The playbook-calibrated framework with the even stage split, as `ultrascale plan` uses it."""
+    from dataclasses import replace
+
+    from ultrascale.plan.calibration import get_framework
+
+    return replace(get_framework("playbook"), partition="even")
+
+
+def planner_functions(model: str, gpu_name: str, gpus: int, tokens: int, seq_len: int = 4096):
+    """The planner's memory per GPU and tokens/s/GPU of (dp, pp, tp), with the pinned knobs."""
+    from ultrascale.plan.hardware import get_gpu
+    from ultrascale.plan.layout import Layout
+    from ultrascale.plan.memory import memory_plan
+    from ultrascale.plan.shape import get_shape
+    from ultrascale.plan.time import step_time
+
+    shape, gpu, fw = get_shape(model), get_gpu(gpu_name), _planner()
+    sequences = tokens // seq_len
+
+    def layout(dp, pp, tp):
+        return Layout(dp=dp, pp=pp, tp=tp, zero=1 if dp > 1 else 0, micro_batch=1, grad_accum=sequences // dp,
+                      seq_len=seq_len, precision="bf16", schedule="1f1b", recompute="none")
+
+    cache = {}
+
+    def memory_per_gpu(dp, pp, tp):
+        key = ("m", dp, pp, tp)
+        if key not in cache:
+            cache[key] = memory_plan(shape, layout(dp, pp, tp), fw).peak.total
+        return cache[key]
+
+    def tokens_per_s(dp, pp, tp):
+        key = ("t", dp, pp, tp)
+        if key not in cache:
+            cache[key] = step_time(shape, layout(dp, pp, tp), gpu, fw).tokens_per_s_per_gpu
+        return cache[key]
+
+    return shape, gpu, sequences, memory_per_gpu, tokens_per_s
+
+
+def planner_choice(model: str, gpu_name: str, gpus: int, tokens: int, seq_len: int = 4096):
+    """(dp, pp, tp) of the planner's first-ranked layout with the pinned knobs."""
+    from ultrascale.plan.hardware import get_gpu
+    from ultrascale.plan.search import search
+    from ultrascale.plan.shape import get_shape
+
+    found = search(get_shape(model), gpus, get_gpu(gpu_name), _planner(), seq_len, tokens, "bf16", PINNED)
+    lay = found.ranked[0].layout
+    return lay.dp, lay.pp, lay.tp
+
+
+def exercise_2(best_layout):
+    for what, args in _synthetic():
+        gpus, heads, layers, sequences = args[:4]
+        case = (f"[{what}] best_layout(gpus={gpus}, heads={heads}, layers={layers}, sequences={sequences}, "
+                f"..., limit={args[6]:g})")
+        _judge(case, args, best_layout(*args))
+    lines = []
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    for model, gpu_name, gpus, tokens in PLANNER_CASES:
+        shape, gpu, sequences, mem, tps = planner_functions(model, gpu_name, gpus, tokens)
+        args = (gpus, shape.heads, shape.layers, sequences, mem, tps, gpu.memory_bytes)
+        case = f"{model} on {gpus} x {gpu_name}, {sequences} sequences"
+        got = best_layout(*args)
+        _judge(case, args, got, gib)
+        want = planner_choice(model, gpu_name, gpus, tokens)
+        assert got == want, f"{case}: you chose {got}, the planner {want}"
+        lines.append(f"  {case}: (dp, pp, tp) = {got}, {gib(mem(*got))} per GPU, {tps(*got):,.0f} tokens/s/GPU")
+    print("Same choice as the planner in every case:\n" + "\n".join(lines))
