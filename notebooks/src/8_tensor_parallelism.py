@@ -168,7 +168,9 @@ An MLP is $\mathrm{GELU}(XA)B$. With $A$ column-parallel, each rank holds whole 
 (elementwise) runs locally; $B$ row-parallel then takes exactly those features as its input shard. No
 communication between the two; one all-reduce at the end. Splitting $A$ by rows instead would leave partial
 sums before GELU, and $\mathrm{GELU}(a) + \mathrm{GELU}(b) \ne \mathrm{GELU}(a + b)$: a second
-synchronisation. On 2 real ranks:
+synchronisation. Note what is *not* there: a column-parallel layer used alone would end with an all-gather
+of $Y$'s slices, and a row-parallel one would begin by scattering $X$; in the pair neither happens, because
+the first layer's output slices are exactly the second layer's input shards. On 2 real ranks:
 '''),
             SETUP,
             SPLITS,
