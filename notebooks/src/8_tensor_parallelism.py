@@ -195,8 +195,8 @@ result), which is why TP stays inside a node's fast NVLink. You write f and g in
         Section("Attention heads and the vocabulary", [
             md(r'''
 Attention splits the same way, along **heads**: $W_Q, W_K, W_V$ are column-parallel (rank $i$ computes
-its $a/t$ query heads and their key/value heads, so grouped-query groups stay whole on a rank: $t$ must
-divide the number of key/value heads), each rank runs attention on its heads alone, and $W_O$ is
+its $a/t$ query heads and their key/value heads, so grouped-query groups stay whole on a rank: in our
+engine $t$ must divide the number of key/value heads; Megatron replicates them when $t$ exceeds it), each rank runs attention on its heads alone, and $W_O$ is
 row-parallel with one $g$. The norms stay whole (replicated) and see the whole hidden vector.
 
 The **embedding** is split over the vocabulary: each rank holds $V/t$ rows, looks up the tokens it owns,

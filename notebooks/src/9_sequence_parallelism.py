@@ -222,9 +222,11 @@ all-reduce $2\frac{t-1}{t}$. On 2 ranks:
             PAIR,
             md(r'''
 One more change: the norms' weights now see only $s/t$ tokens on each rank, so their gradients are partial
-sums and need an all-reduce over the TP group (small: $h$ values each). Dropout in an SP region draws
-its mask for the rank's own positions (a different random stream per TP rank), where dropout inside the TP
-region on whole activations needs the same stream on every rank. You write $g$ and $\bar g$ in exercise 1.
+sums and need an all-reduce over the TP group (small: $h$ values each). And dropout, in models that use it:
+without SP, dropout after $g$ acts on the same replicated tensor on every TP rank and must draw the same
+mask everywhere (one seed for the TP group); under SP each rank drops out its own positions, so the ranks
+draw different masks (a per-rank stream, as Megatron already uses inside the TP region, where ranks hold
+different heads). You write $g$ and $\bar g$ in exercise 1.
 '''),
         ]),
         Section("The engine with --sp: same losses, same bytes, fewer activations", [
@@ -244,11 +246,12 @@ gradient norm, and the new one: the 5 norm weights' gradients ($h$ fp32 values e
             md(r'''
 Per block and per rank, measured with the engine's `ActivationMeter` for a few $(b, s)$: both grow with
 $b \cdot s$ (attention here is flash-style: nothing grows with $s^2$), and SP removes $(1 - 1/t)$ of the
-norms' share. Korthikanti's $sbh(10 + 24/t)$ for TP and $sbh \cdot 34/t$ for TP+SP count a GPT block in
-16-bit with dropout and eager attention; for our block (RMSNorm in fp32, SwiGLU, GQA, no dropout) and an
-engine that keeps the gathered inputs, the count differs, and you derive it in exercise 2. With the whole
-block divided by $t$, TP+SP lets $t$ pay for longer sequences; the part that still grows with $s$ per rank is
-what context parallelism (Part 10) cuts.
+norms' share. Korthikanti et al. count a GPT block in 16-bit with dropout and eager attention:
+$sbh\,(10 + \frac{24}{t} + \frac{5as}{ht})$ bytes per rank under TP and $\frac{sbh}{t}(34 + \frac{5as}{h})$
+under TP+SP (with flash attention the $5as/h$ term goes). For our block (RMSNorm in fp32, SwiGLU, GQA, no
+dropout) and an engine that keeps the gathered linear inputs, the count differs, and you derive it in
+exercise 2. Where the whole block divides by $t$, as in Megatron, TP+SP turns every extra TP rank into
+longer sequences; what still grows with $s$ on each rank is what context parallelism (Part 10) cuts.
 '''),
             PER_BLOCK,
         ]),
