@@ -1,0 +1,229 @@
+"""Part 9, sequence parallelism: the all-gather / reduce-scatter pair (g and g-bar) as
+autograd functions on 2 real ranks, and the activation memory per rank of our block
+under TP and TP+SP.
+
+Exercise 1's expected values come from one process running the whole block in float64
+(autograd for the gradients). Exercise 2's come from the engine's own block, built by
+its TP (+SP) transform on 2 real ranks and measured with its ActivationMeter (the
+bytes autograd keeps for backward, parameters excluded), and from one process for t = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ultrascale.series.checks import on_ranks
+
+WORLD = 2
+B, S, H, FFN = 2, 4, 8, 16  # x [B, S, H]; each rank holds S / WORLD positions
+
+
+# -- exercise 1: the sequence-parallel block ----------------------------------------------------
+def _block_tensors(seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, H, generator=g)
+    w1 = torch.randn(FFN, H, generator=g) / H**0.5
+    w2 = torch.randn(H, FFN, generator=g) / FFN**0.5
+    cot = torch.randn(B, S, H, generator=g)
+    return x, w1, w2, cot
+
+
+def _block_case(sp_block, seed):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, w1, w2, cot = _block_tensors(seed)
+    n, m = FFN // world, S // world
+    mine, rows = slice(rank * n, (rank + 1) * n), slice(rank * m, (rank + 1) * m)
+    x_shard = x[:, rows].clone().requires_grad_()
+    w1_shard = w1[mine].clone().requires_grad_()
+    w2_shard = w2[:, mine].clone().requires_grad_()
+    real, used = dist.all_reduce, []
+
+    def spy(*args, **kwargs):
+        used.append("all_reduce")
+        return real(*args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        out = sp_block(x_shard, w1_shard, w2_shard)
+        assert out is not None, "sp_block returned None: return the block's output for this rank's positions"
+        if out.requires_grad and tuple(out.shape) == tuple(cot[:, rows].shape):
+            (out * cot[:, rows]).sum().backward()
+    finally:
+        dist.all_reduce = real
+    grads = [None if t.grad is None else t.grad.detach().clone() for t in (x_shard, w1_shard, w2_shard)]
+    return out.detach().clone(), grads, used
+
+
+def _block_reference(x, w1, w2, cot, cols=None, cot_rows=None):
+    """Output and (x, w1, w2) grads of x + gelu(rmsnorm(x) w1^T) w2^T in float64. `cols`: only those
+    hidden features and no residual (one rank's partial output); `cot_rows`: the gradient kept on those
+    positions only."""
+    import torch
+    import torch.nn.functional as F
+
+    x, w1, w2 = (t.double().clone().requires_grad_() for t in (x, w1, w2))
+    a, b = (w1, w2) if cols is None else (w1[cols], w2[:, cols])
+    y = F.gelu(F.rms_norm(x, (H,)) @ a.t()) @ b.t()
+    out = y if cols is not None else x + y
+    c = cot.double()
+    if cot_rows is not None:
+        c = torch.zeros_like(c)
+        c[:, cot_rows] = cot.double()[:, cot_rows]
+    (out * c).sum().backward()
+    return out.detach(), x.grad, w1.grad, w2.grad
+
+
+def exercise_1(sp_block):
+    """sp_block(x_shard, w1_shard, w2_shard) on 2 ranks: the SP residual MLP block with g and g-bar."""
+    import torch
+
+    seed = 91
+    results = on_ranks(WORLD, _block_case, sp_block, seed, timeout=60)
+    x, w1, w2, cot = _block_tensors(seed)
+    out, gx, gw1, gw2 = _block_reference(x, w1, w2, cot)
+    n, m = FFN // WORLD, S // WORLD
+
+    def near(a, b):
+        return a is not None and tuple(a.shape) == tuple(b.shape) and torch.allclose(a.double(), b, atol=1e-5)
+
+    for rank, (got, (got_x, got_w1, got_w2), used) in enumerate(results):
+        mine, rows = slice(rank * n, (rank + 1) * n), slice(rank * m, (rank + 1) * m)
+        want = out[:, rows]
+        if tuple(got.shape) == tuple(out.shape):
+            raise AssertionError(f"rank {rank} returned the whole sequence {tuple(got.shape)}: leaving the region, "
+                                 f"g-bar reduce-scatters, so each rank keeps its {m} positions {tuple(want.shape)}")
+        assert tuple(got.shape) == tuple(want.shape), (
+            f"rank {rank} returned shape {tuple(got.shape)}; it holds positions {rows.start}..{rows.stop - 1} of "
+            f"the sequence: {tuple(want.shape)} (all-gather and reduce-scatter along dim 1, the sequence)")
+        if not near(got, want):
+            partial = _block_reference(x, w1, w2, cot, cols=mine)[0]
+            if near(got, x.double()[:, rows] + partial[:, rows]):
+                raise AssertionError(f"rank {rank}'s output only has its own partial sum: the row-parallel outputs "
+                                     f"are partial sums over the hidden features; g-bar's forward reduce-scatters "
+                                     f"(sums, then keeps this rank's positions), not just slices")
+            err = (got.double() - want).abs().max().item()
+            raise AssertionError(f"rank {rank}'s output differs from the single-process block's rows by "
+                                 f"{err:.2e}: norm on the shard, all-gather, the two linears, reduce-scatter, "
+                                 f"then the residual")
+        if used:
+            raise AssertionError(f"rank {rank} called dist.all_reduce: sequence parallelism replaces each all-reduce "
+                                 f"by an all-gather and a reduce-scatter (same bytes in all); all_reduce and a "
+                                 f"slice moves twice the data")
+        if got_x is None or got_w1 is None or got_w2 is None:
+            raise AssertionError(f"rank {rank}: no gradient reached x_shard or the weights; build the output "
+                                 f"with your autograd functions' .apply")
+        if not (near(got_w1, gw1[mine]) and near(got_w2, gw2[:, mine])):
+            masked = _block_reference(x, w1, w2, cot, cols=mine, cot_rows=rows)
+            if near(got_w2, masked[3][:, mine]):
+                raise AssertionError(f"rank {rank}'s weight gradients only see its own positions' gradient: "
+                                     f"g-bar's backward must all-gather the output gradient (the row-parallel "
+                                     f"output covered the whole sequence), not pad it with zeros")
+            raise AssertionError(f"rank {rank}'s weight gradients differ from the single-process ones' shards: "
+                                 f"g-bar's backward all-gathers the gradient along the sequence")
+        if not near(got_x, gx[:, rows]):
+            own = _block_reference(x, w1, w2, cot, cols=mine)[1] + cot.double()
+            if near(got_x, own[:, rows]):
+                raise AssertionError(f"rank {rank}'s x gradient only holds the part through its own "
+                                     f"{n} hidden features: g's backward must reduce-scatter (sum over ranks, "
+                                     f"keep this rank's positions), not just slice the gradient")
+            if near(got_x, gx[:, rows] * WORLD) or near(got_x - cot.double()[:, rows],
+                                                        WORLD * (gx - cot.double())[:, rows]):
+                raise AssertionError(f"rank {rank}'s x gradient is {WORLD}x too large through the MLP: the "
+                                     f"reduce-scatter sums, once")
+            err = (got_x.double() - gx[:, rows]).abs().max().item()
+            raise AssertionError(f"rank {rank}'s x gradient differs from the single-process one by {err:.2e}: "
+                                 f"g's backward reduce-scatters the gradient along the sequence")
+
+
+# -- exercise 2: activation memory per rank, TP vs TP+SP -----------------------------------------
+def block_activation_bytes_on_ranks(model_cfg, b: int, s: int, sp: bool) -> int:
+    """Bytes block 0 of the engine's model keeps for backward on rank 0 of a 2-rank TP (+SP) group,
+    fp32, measured with the engine's ActivationMeter."""
+    return on_ranks(WORLD, _measure_block, model_cfg, b, s, sp, timeout=60)[0]
+
+
+def _measure_block(model_cfg, b, s, sp):
+    import torch
+    import torch.distributed as dist
+
+    from ultrascale.config import ParallelConfig, RunConfig
+    from ultrascale.distributed.context import build_context
+    from ultrascale.model import build_model
+    from ultrascale.parallel import shard_model
+    from ultrascale.train.metrics import ActivationMeter
+
+    t = dist.get_world_size()
+    mc = replace(model_cfg, layers=1, max_seq_len=max(s, model_cfg.max_seq_len))
+    cfg = RunConfig(model=mc, parallel=ParallelConfig(dp=1, tp=t, sp=sp))
+    ctx = build_context(cfg.parallel, dist.get_rank(), t)
+    model = build_model(mc, 0, ctx.device, transform=shard_model(ctx, cfg))
+    meter = ActivationMeter(list(model.parameters()) + list(model.buffers()))
+    x = torch.randn(b, s // t if sp else s, mc.hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
+    with meter.forward():
+        model.layers["0"](x.requires_grad_(), model.rope_cos[:s], model.rope_sin[:s])
+    return meter.take_peak()
+
+
+def _formula(cfg, b, s, t, sp, norm_div=None, norm_out_div=1, inner_div=None):
+    """Our block in fp32 per rank; the keywords make the known wrong versions."""
+    h, a, f = cfg.hidden, cfg.heads, cfg.ffn_hidden
+    kv = cfg.kv_heads * (h // a)
+    norm_div = (t if sp else 1) if norm_div is None else norm_div
+    inner_div = t if inner_div is None else inner_div
+    norms = 2 * (8 * h + 4) / norm_div
+    norm_outputs = 2 * 4 * h / norm_out_div
+    inner = (4 * (2 * h + 2 * kv) + 4 * a + 16 * f) / inner_div
+    return b * s * (norms + norm_outputs + inner)
+
+
+def _cases():
+    from ultrascale.model import ModelConfig, get_preset
+
+    tiny = get_preset("tiny")
+    gqa = ModelConfig(name="gqa-128", vocab_size=257, hidden=128, layers=1, heads=8, kv_heads=2, ffn_hidden=352,
+                      max_seq_len=256)
+    return [(tiny, 2, 32), (tiny, 1, 64), (gqa, 2, 24)]
+
+
+def exercise_2(activation_bytes_per_rank):
+    """activation_bytes_per_rank(cfg, b, s, t, sp) -> bytes one block keeps per rank, fp32, flash SDPA."""
+    from ultrascale.series.checks.part2 import block_saved_bytes
+
+    for cfg, b, s in _cases():
+        for t, sp in ((1, False), (WORLD, False), (WORLD, True)):
+            got = activation_bytes_per_rank(cfg, b, s, t, sp)
+            assert got is not None, "return the number of bytes"
+            want = block_saved_bytes(cfg, b, s, 4) if t == 1 else block_activation_bytes_on_ranks(cfg, b, s, sp)
+            if abs(got - want) <= 1e-9 * want:
+                continue
+            h = cfg.hidden
+            where = (f"{cfg.name} (h={h}, heads={cfg.heads}, kv_heads={cfg.kv_heads}, f={cfg.ffn_hidden}), b={b}, "
+                     f"s={s}, t={t}{' with SP' if sp else ''}: you say {got:,.0f} bytes, a rank keeps {want:,}")
+            if t == 1:
+                raise AssertionError(f"{where}. With t = 1 nothing is split: this is Part 2's block, "
+                                     f"b*s*(2(8h + 4) + 4(4h + 2kv + 4f) + 4a) in fp32")
+            if sp and abs(got - _formula(cfg, b, s, t, sp, norm_out_div=t)) < 1:
+                raise AssertionError(f"{where}. The norm outputs are the inputs of the column-parallel linears: "
+                                     f"under SP they are all-gathered, and our engine keeps the gathered "
+                                     f"[b, s, h] copy for backward (Megatron re-gathers and keeps the shard), "
+                                     f"so they stay whole: 2 * 4h per token, not divided by t")
+            if sp and abs(got - _formula(cfg, b, s, t, False)) < 1:
+                raise AssertionError(f"{where}. Under SP the norms run on the rank's s/t positions: their "
+                                     f"fp32 input, rstd and x*rstd (8h + 4 per token each) are divided by t")
+            if not sp and abs(got - _formula(cfg, b, s, t, False, norm_div=t, norm_out_div=t)) < 1:
+                raise AssertionError(f"{where}. Tensor parallelism alone leaves the norms and their outputs "
+                                     f"whole on every rank (each needs the whole hidden vector of every token): "
+                                     f"only the attention and MLP internals divide by t")
+            if not sp and abs(got - _formula(cfg, b, s, t, False, inner_div=1)) < 1:
+                raise AssertionError(f"{where}. Inside the region each rank holds a/t heads and f/t features: "
+                                     f"q, k, v, the logsumexp, the attention output and the MLP's four "
+                                     f"tensors divide by t")
+            if abs(got * 2 - want) < 1 or abs(got - 2 * want) < 1:
+                raise AssertionError(f"{where}: off by a factor of 2; these are fp32 bytes (4 per value, the "
+                                     f"logsumexp 4 per head) for b*s tokens")
+            raise AssertionError(f"{where} ({got - want:+,.0f}). Per token: 2 norms (8h + 4, /t under SP), 2 norm "
+                                 f"outputs (4h, whole), and (4(2h + 2kv) + 4a + 16f)/t inside the region")
