@@ -74,6 +74,9 @@ TRAIN_FLAGS = [
     ("--log-jsonl", "train", "log_jsonl", str, "write one JSON object per step to this file"),
     ("--log-every", "train", "log_every", int, "print a line every N steps"),
     ("--pp-trace", "train", "pp_trace", str, "write the last step's pipeline timeline (draw it with pp-schedule --trace)"),
+    ("--peak", "train", "peak", str, "the ceiling of MFU: auto (measure it at start-up), datasheet, or TFLOP/s "
+                                     "per device (default: datasheet on a known GPU, else auto)"),
+    ("--tensorboard", "train", "tensorboard", str, "also write the step metrics as TensorBoard events to this directory"),
     ("--device", "train", "device", str, "auto, cpu or cuda"),
     ("--nproc", "train", "nproc", int, "spawn this many local processes (or use torchrun)"),
     ("--timeout", "train", "timeout", float,
@@ -234,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ultrascale.export import add_parser as add_export; add_export(sub)  # noqa: E702
     from ultrascale.plan.cli import add_parser as add_plan; add_plan(sub)  # noqa: E702
     from ultrascale.series.cli import add_parser as add_notebook; add_notebook(sub)  # noqa: E702
+    from ultrascale.train.peak import add_parser as add_peak; add_peak(sub)  # noqa: E702
+    from ultrascale.train.plot import add_parser as add_plot; add_plot(sub)  # noqa: E702
     return parser
 
 

@@ -132,6 +132,10 @@ class TrainConfig:
     init_from: str = ""  # hf:DIR: start from a transformers checkpoint (its shape and weights)
     log_jsonl: str = ""
     pp_trace: str = ""  # write the last step's pipeline timeline here (JSON)
+    # The ceiling MFU divides by: "auto" (measured at start-up), "datasheet", or TFLOP/s per device.
+    # Empty: the datasheet on a GPU that has a figure, "auto" otherwise (train/peak.py).
+    peak: str = ""
+    tensorboard: str = ""  # write TensorBoard event files of the step metrics to this directory
     log_every: int = 1
     device: str = "auto"  # auto | cpu | cuda
     nproc: int = 1
@@ -185,6 +189,11 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
                           "--lr-decay-steps > 0")
     if t.grad_clip < 0:
         raise ConfigError(f"--grad-clip must be >= 0 (0 turns clipping off), got {t.grad_clip}")
+    from ultrascale.train.peak import check_peak
+
+    check_peak(t.peak, t.device, t.dtype)
+    if t.tensorboard:
+        check_tensorboard()
     if t.resume and t.init_from:
         check_start(t.resume, t.init_from)
     if t.resume and not os.path.isdir(t.resume):
@@ -206,6 +215,14 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
     check_experts(cfg.model, parallel)
     check_implemented(parallel)
     return replace(cfg, parallel=parallel)
+
+
+def check_tensorboard() -> None:
+    """--tensorboard writes with torch.utils.tensorboard, which needs the tensorboard package."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'ultrascale[tensorboard]'")
 
 
 def check_context(cfg: RunConfig, parallel: ParallelConfig) -> None:

@@ -66,11 +66,21 @@ def check_writable_file(flag: str, path: str) -> None:
     _probe(flag, path, _nearest_existing(os.path.dirname(full)))
 
 
+def check_writable_log_dir(flag: str, path: str) -> None:
+    """A directory the run writes files into (TensorBoard events): it, or the ancestor it is created in."""
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise ConfigError(f"{flag} {path}: exists and is not a directory: choose a directory path")
+    _probe(flag, path, _nearest_existing(full))
+
+
 def check_output_paths(train_cfg) -> None:
-    """Every path a training run will write: --save, --log-jsonl, --pp-trace."""
+    """Every path a training run will write: --save, --log-jsonl, --pp-trace, --tensorboard."""
     if train_cfg.save:
         check_writable_dir("--save", train_cfg.save)
     if train_cfg.log_jsonl:
         check_writable_file("--log-jsonl", train_cfg.log_jsonl)
     if train_cfg.pp_trace:
         check_writable_file("--pp-trace", train_cfg.pp_trace)
+    if train_cfg.tensorboard:
+        check_writable_log_dir("--tensorboard", train_cfg.tensorboard)
