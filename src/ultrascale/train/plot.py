@@ -80,6 +80,7 @@ def cmd_plot(args) -> int:
     axes[0].legend()
     fig.tight_layout()
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         fig.savefig(args.out, dpi=DPI)
     except OSError as e:
         raise ConfigError(f"-o {args.out}: cannot write it ({e.strerror}): choose another file") from None
