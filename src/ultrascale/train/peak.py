@@ -226,4 +226,7 @@ def cmd_peak(args) -> int:
     beside = f", datasheet {sheet:g} TFLOP/s ({100 * peak.tflops / sheet:.0f}% of it)" if sheet else \
         ", no datasheet figure for this device"
     print(f"peak {peak.tflops:.4g} TFLOP/s ({args.dtype} matmul, {peak.device}){beside}")
+    if device.type == "cpu":
+        print(f"on {torch.get_num_threads()} threads: torch.get_num_threads(), what one training process uses "
+              f"(OMP_NUM_THREADS; `train --nproc N` gives each rank its share)")
     return 0

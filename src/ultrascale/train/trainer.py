@@ -262,6 +262,7 @@ class _Log:
         if self.tb is not None:
             for tag, value in tensorboard_scalars(m).items():
                 self.tb.add_scalar(tag, value, m["step"])
+            self.tb.flush()  # as the JSONL: a run that dies keeps its steps so far
         if self.to_stdout and (m["step"] % self.every == 0 or m["step"] == 1):
             line = format_step(m)
             if self.bar is not None:
