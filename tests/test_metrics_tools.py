@@ -40,6 +40,7 @@ def test_peak_on_cpu_prints_a_positive_figure():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["tflops"] > 0 and out["dtype"] == "bf16" and out["datasheet_tflops"] is None
+    assert out["threads"] == 1  # OMP_NUM_THREADS=1 (testing/cli.py): the threads torch trains with here
     assert out["tflops"] == max(out["by_size"].values()) and len(out["by_size"]) >= 1
 
 

@@ -219,7 +219,8 @@ def cmd_peak(args) -> int:
     peak = measure(device, args.dtype, sizes, repeats=10, budget_s=5.0)
     sheet = peak_tflops(device, args.dtype)
     if args.json:
-        print(json.dumps({**peak.to_dict(), "datasheet_tflops": sheet}))
+        threads = torch.get_num_threads() if device.type == "cpu" else None
+        print(json.dumps({**peak.to_dict(), "threads": threads, "datasheet_tflops": sheet}))
         return 0
     for n, v in peak.by_size.items():
         print(f"  n = {n:>5}: {v:.4g} TFLOP/s")
