@@ -66,9 +66,10 @@ def cmd_plot(args) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, 3, figsize=FIGSIZE, dpi=DPI)
-    panels = [("loss", lambda r: r["loss"]), ("tokens/s", lambda r: r["tokens_per_s"]),
+    panels = [("loss", lambda r: r["loss"]), ("tokens/s (all ranks)", lambda r: r["tokens_per_s"]),
               ("memory per rank (MiB)", memory_mib)]
     for ax, (title, value) in zip(axes, panels):
         for rows, label in zip(runs, labels):
@@ -76,6 +77,10 @@ def cmd_plot(args) -> int:
                     label=label)
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if title != "loss":  # throughput and memory from zero: a ratio reads as a ratio
+            top = max(value(r) for rows in runs for r in rows)
+            ax.set_ylim(0, 1.1 * top if top > 0 else 1)
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.tight_layout()
