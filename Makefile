@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,hf,plot,series,youtube,fp8]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,hf,plot,series,tensorboard,youtube,fp8]"
 	rm -f $(VENV)/.installed-*
 	touch $@
 

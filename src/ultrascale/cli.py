@@ -84,6 +84,9 @@ TRAIN_FLAGS = [
     ("--profile", "train", "profile", str, "write a torch.profiler trace per rank into this directory "
                                            "(read it with `ultrascale trace DIR`)"),
     ("--profile-steps", "train", "profile_steps", str, "the steps to profile, A:B (default 2:3, after warm-up)"),
+    ("--peak", "train", "peak", str, "the ceiling of MFU: auto (measure it at start-up), datasheet, or TFLOP/s "
+                                     "per device (default: datasheet on a known GPU, else auto)"),
+    ("--tensorboard", "train", "tensorboard", str, "also write the step metrics as TensorBoard events to this directory"),
     ("--device", "train", "device", str, "auto, cpu or cuda"),
     ("--nproc", "train", "nproc", int, "spawn this many local processes (or use torchrun)"),
     ("--timeout", "train", "timeout", float,
@@ -259,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ultrascale.plan.cli import add_parser as add_plan; add_plan(sub)  # noqa: E702
     from ultrascale.train.trace_report import add_parser as add_trace; add_trace(sub)  # noqa: E702
     from ultrascale.series.cli import add_parser as add_notebook; add_notebook(sub)  # noqa: E702
+    from ultrascale.train.peak import add_parser as add_peak; add_peak(sub)  # noqa: E702
+    from ultrascale.train.plot import add_parser as add_plot; add_plot(sub)  # noqa: E702
     return parser
 
 

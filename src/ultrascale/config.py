@@ -140,6 +140,10 @@ class TrainConfig:
     pp_trace: str = ""  # write the last step's pipeline timeline here (JSON)
     profile: str = ""  # a directory: torch.profiler traces of the --profile-steps window, one per rank
     profile_steps: str = "2:3"  # A:B, 1-based and inclusive (train/profile.py)
+    # The ceiling MFU divides by: "auto" (measured at start-up), "datasheet", or TFLOP/s per device.
+    # Empty: the datasheet on a GPU that has a figure, "auto" otherwise (train/peak.py).
+    peak: str = ""
+    tensorboard: str = ""  # write TensorBoard event files of the step metrics to this directory
     log_every: int = 1
     device: str = "auto"  # auto | cpu | cuda
     nproc: int = 1
@@ -211,6 +215,12 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
                           "that split the weight gradients; use another --pp-schedule")
     if t.fp8 and t.compile:
         raise ConfigError("--fp8 with --compile: not validated together yet; drop one of them")
+
+    from ultrascale.train.peak import check_peak
+
+    check_peak(t.peak, t.device, t.dtype)
+    if t.tensorboard:
+        check_tensorboard()
     if t.resume and t.init_from:
         check_start(t.resume, t.init_from)
     if t.resume and not os.path.isdir(t.resume):
@@ -232,6 +242,14 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
     check_experts(cfg.model, parallel)
     check_implemented(parallel)
     return replace(cfg, parallel=parallel)
+
+
+def check_tensorboard() -> None:
+    """--tensorboard writes with torch.utils.tensorboard, which needs the tensorboard package."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'ultrascale[tensorboard]'")
 
 
 def check_context(cfg: RunConfig, parallel: ParallelConfig) -> None:

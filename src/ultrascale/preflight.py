@@ -67,7 +67,8 @@ def check_writable_file(flag: str, path: str) -> None:
 
 
 def check_output_dir(flag: str, path: str) -> None:
-    """A directory the run writes files into (profiler traces): it, or where it will be created, must take them."""
+    """A directory the run writes files into (profiler traces, TensorBoard events): it, or the
+    ancestor it is created in, must take them."""
     full = os.path.abspath(path)
     if os.path.exists(full) and not os.path.isdir(full):
         raise ConfigError(f"{flag} {path}: exists and is not a directory: choose a directory path")
@@ -75,7 +76,7 @@ def check_output_dir(flag: str, path: str) -> None:
 
 
 def check_output_paths(train_cfg) -> None:
-    """Every path a training run will write: --save, --log-jsonl, --pp-trace, --profile."""
+    """Every path a training run will write: --save, --log-jsonl, --pp-trace, --profile, --tensorboard."""
     if train_cfg.save:
         check_writable_dir("--save", train_cfg.save)
     if train_cfg.log_jsonl:
@@ -84,3 +85,5 @@ def check_output_paths(train_cfg) -> None:
         check_writable_file("--pp-trace", train_cfg.pp_trace)
     if getattr(train_cfg, "profile", ""):
         check_output_dir("--profile", train_cfg.profile)
+    if getattr(train_cfg, "tensorboard", ""):
+        check_output_dir("--tensorboard", train_cfg.tensorboard)

@@ -29,8 +29,9 @@ from ultrascale.model.moe import moe_layers, step_loads, update_router_bias
 from ultrascale.train import checkpoint, resume
 from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
 from ultrascale.train.loss_scale import DynamicLossScaler
-from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_tflops, storage_bytes
+from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, storage_bytes
 from ultrascale.train.optim import build_adamw, clip_grad_norm_, lr_at
+from ultrascale.train.peak import describe_device, run_peak
 from ultrascale.train.profile import BACKWARD, FORWARD, OPTIMIZER, STEP, comm, profile_window, span
 from ultrascale.train.recompute import apply_recompute
 
@@ -95,7 +96,8 @@ class Trainer:
         self.meter = ActivationMeter(list(self.model.parameters()) + list(self.model.buffers()))
         self.pipeline = parallel.pipeline_runtime(self.model, ctx, cfg, self.grads, self.loss_fn, self.meter)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
-        self.peak = peak_tflops(ctx.device, t.dtype)
+        # The ceiling of MFU, per device (--peak; measuring it is collective: every rank is here).
+        self.peak, self.peak_source = run_peak(t.peak, ctx.device, t.dtype, ctx.world_size)
         self.step = 0
         if t.save and ctx.rank == 0:
             checkpoint.clean_partial(t.save)  # what a killed run left (the next save would also)
@@ -153,11 +155,13 @@ class Trainer:
             loss = ctx.all_reduce_mean(loss)
         tokens = cfg.global_batch * t.seq_len
         tokens_per_s = tokens / elapsed
+        # MFU = FLOPs per token x tokens/s / (peak x devices): per device on both sides.
         tflops = tokens_per_s * self.flops_per_token / ctx.world_size / 1e12  # per device
         return {
             "step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
             "tokens_per_s": tokens_per_s, "tflops": tflops,
             "mfu": tflops / self.peak if self.peak else None,
+            "peak_tflops": self.peak, "peak_source": self.peak_source,
             "step_time_s": elapsed, "memory": self.memory(),
             **({"moe": moe} if moe is not None else {}),
             **({"loss_scale": scale, "skipped": not finite} if scale is not None else {}),
@@ -224,6 +228,8 @@ class Trainer:
         log = _Log(t, ctx.is_logging_rank, self.step, self.log_to_stdout)
         # --profile: a torch.profiler trace of the --profile-steps window (nothing at all without it).
         profiler = profile_window(t, ctx.rank, ctx.device, self.step + 1)
+        log.say(f"peak {self.peak:.4g} TFLOP/s per device ({self.peak_source}, {t.dtype}, "
+                f"{describe_device(ctx.device)}): MFU is measured against it")
         try:
             while self.step < t.steps:
                 failures.note_step(self.step + 1)
@@ -266,12 +272,17 @@ class _Log:
     def __init__(self, t, active: bool, first_step: int, to_stdout: bool):
         self.active, self.every, self.jsonl = active, t.log_every, None
         self.to_stdout = to_stdout and active
-        self.bar = None
+        self.bar = self.tb = None
         if not active:
             return
         if t.log_jsonl:
             os.makedirs(os.path.dirname(os.path.abspath(t.log_jsonl)), exist_ok=True)
             self.jsonl = open(t.log_jsonl, "a" if t.resume else "w")
+        if t.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # The logging rank alone (rank 0 unless pipelined: the last stage, which has the loss).
+            self.tb = SummaryWriter(log_dir=t.tensorboard)
         # Under `--nproc` stderr is the launcher's pipe; it says when it ends on a terminal.
         tty = sys.stderr.isatty() or os.environ.get("ULTRASCALE_STDERR_TTY") == "1"
         if self.to_stdout and t.progress and tty:
@@ -285,6 +296,10 @@ class _Log:
         if self.jsonl:
             self.jsonl.write(json.dumps(m) + "\n")
             self.jsonl.flush()
+        if self.tb is not None:
+            for tag, value in tensorboard_scalars(m).items():
+                self.tb.add_scalar(tag, value, m["step"])
+            self.tb.flush()  # as the JSONL: a run that dies keeps its steps so far
         if self.to_stdout and (m["step"] % self.every == 0 or m["step"] == 1):
             line = format_step(m)
             if self.bar is not None:
@@ -295,11 +310,25 @@ class _Log:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{m['loss']:.4f}")
 
+    def say(self, line: str) -> None:
+        if self.to_stdout:
+            print(line, flush=True)
+
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
         if self.bar is not None:
             self.bar.close()
+
+
+def tensorboard_scalars(m: dict) -> dict[str, float]:
+    """The TensorBoard tags of one step's metrics: train/*, memory/* (bytes), moe/*; None left out."""
+    out = {f"train/{k}": m[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "step_time_s")}
+    out.update({f"memory/{k}": v for k, v in m["memory"].items()})
+    out.update({f"moe/{k}": v for k, v in m.get("moe", {}).items()})
+    return {k: float(v) for k, v in out.items() if v is not None}
 
 
 def _mb(n):
@@ -317,7 +346,7 @@ def format_step(m: dict) -> str:
     scale = "" if "loss_scale" not in m else (
         f" | loss scale {m['loss_scale']:g}{' (overflow: step skipped)' if m['skipped'] else ''}")
     return (f"step {m['step']:>5} | loss {m['loss']:.4f} | grad norm {norm} | lr {m['lr']:.2e} | "
-            f"{m['tokens_per_s']:,.0f} tok/s | {m['tflops']:.3f} TFLOP/s{mfu} | "
+            f"{m['tokens_per_s']:,.0f} tok/s | {m['tflops']:.3g} TFLOP/s{mfu} | "
             f"params {_mb(mem['params'])} grads {_mb(mem['grads'])} optim {_mb(mem['optim'])} "
             f"act {_mb(mem['activations'])}{moe}{scale}")
 

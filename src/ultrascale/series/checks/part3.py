@@ -10,8 +10,6 @@ exercise_2(ring_all_reduce)       on 4 gloo processes: a sum built from dist.sen
 
 from __future__ import annotations
 
-import copy
-
 from ultrascale.series.checks import on_ranks
 from ultrascale.series.ranks import RankError
 

@@ -48,7 +48,6 @@ def _mlp_case(tp_mlp, seed):
 
 def _mlp_reference(x, w1, w2, cot, scale_x=1.0, rows=None):
     """Output and (x, w1, w2) gradients in float64; `rows` keeps only those columns of w1 (rows of w2)."""
-    import torch
     import torch.nn.functional as F
 
     x, w1, w2 = (t.double().clone().requires_grad_() for t in (x, w1, w2))
@@ -182,7 +181,6 @@ def exercise_2(vocab_parallel_ce):
     """vocab_parallel_ce(logits_shard, targets, vocab_start) on 2 ranks -> the mean cross-entropy."""
     import math
 
-    import torch
     import torch.nn.functional as F
 
     for seed, shift in ((82, 0.0), (83, 1000.0)):
