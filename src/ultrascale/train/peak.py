@@ -22,7 +22,7 @@ import torch
 
 from ultrascale.errors import ConfigError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Sizes tried, smallest first; the larger ones only while the time budget allows.
 SIZES = {"cpu": (256, 512, 1024, 2048), "cuda": (2048, 4096, 8192)}
 _CACHE: dict[tuple, "Peak"] = {}
@@ -207,7 +207,7 @@ def cmd_peak(args) -> int:
     from ultrascale.train.metrics import peak_tflops
 
     if args.dtype not in DTYPES:
-        raise ConfigError(f"--dtype must be fp32 or bf16, got {args.dtype!r}")
+        raise ConfigError(f"--dtype must be fp32, bf16 or fp16, got {args.dtype!r}")
     if args.size is not None and args.size <= 0:
         raise ConfigError(f"--size must be a positive integer, got {args.size}")
     if args.device not in ("auto", "cpu", "cuda"):
