@@ -104,10 +104,16 @@ for name, v in RUNS.items():
 
 GANTT = code(r'''
 for name, v in RUNS.items():
+    label = f"{name}, pp = 4" + (f", v = {v}" if v > 1 else "") + f", m = {M}"
+    # The schedule as planned: the simulator at F = 1, I = 1, W = 1 per stage (a chunk costs 1/v of that).
+    tl = simulate(schedule(name, WORLD, M, v), WORLD, v, t_f=1.0 / v, t_b=1.0 / v, t_w=1.0 / v)
+    planned = os.path.join(OUT, f"{name}_simulated.png")
+    draw.draw(draw.spans_from_timeline(tl), f"{label}: simulated, bubble {tl.bubble_ratio:.3f}", planned)
+    # The same schedule as it ran: the engine's recorded step 2, in seconds.
     spans = results[name][1]
-    png = os.path.join(OUT, f"{name}.png")
-    draw.draw(spans, f"{name}, pp = 4" + (f", v = {v}" if v > 1 else "") + f", m = {M}: recorded step", png)
-    display(Image(filename=png))
+    recorded = os.path.join(OUT, f"{name}_recorded.png")
+    draw.draw(spans, f"{label}: recorded, bubble {draw.measured_bubble_ratio(spans):.3f}", recorded)
+    display(Image(filename=planned), Image(filename=recorded))
 ''')
 
 BUBBLE = code(r'''
@@ -137,7 +143,7 @@ EPISODE = Episode(
     subtitle="Shrinking the pipeline bubble: virtual stages, and a backward split in two",
     overview=[
         "Interleaved 1F1B: each rank holds v chunks of layers (virtual stages), the bubble falls to (p - 1)/(v m)",
-        "The price of interleaving: v times more point-to-point messages, and more activations in flight",
+        "The price of interleaving: about v times more point-to-point messages, and more activations in flight",
         "Zero bubble (ZB-H1): the backward split into the input gradient (I), which the previous stage waits "
         "for, and the weight gradient (W), which nobody waits for and which fills the bubble",
         "The engine trains with each schedule on 4 real ranks: same losses as one process, its recorded "
@@ -161,7 +167,8 @@ $0 \to 1 \to \dots \to p-1$, then back to rank 0 for chunk 1, and so on: $v$ lap
             md(r'''
 A chunk is $1/v$ of a stage's work, so the fill and drain, still $p - 1$ steps long, each cost a $v$-th of
 what they did: the bubble becomes $(p-1)/(v\,m)$. Every lap crosses every rank boundary, so each
-micro-batch now sends $v$ times more point-to-point messages. Megatron's schedule runs forwards of $p$
+micro-batch now sends $2(p\,v - 1)$ point-to-point messages (activations forward, gradients back) instead
+of $2(p - 1)$: about $v$ times more. Megatron's schedule runs forwards of $p$
 micro-batches on chunk 0, then the same $p$ on chunk 1, ... (so $m$ must be a multiple of $p$ here), and
 its warm-up is longer than 1F1B's: each rank keeps more activations in flight.
 '''),
@@ -195,9 +202,11 @@ one whose backward can leave the weight gradient for later. Each gives the losse
 '''),
             ENGINE,
             md(r'''
-The Gantt charts of step 2 as recorded by the engine on the 4 processes (`ultrascale pp-schedule --trace
-FILE --out chart.png` draws the same): forwards blue, backwards green, weight gradients red, idle time
-blank.
+For each schedule, two Gantt charts: the action lists played by the simulator at equal costs (what the
+schedule intends), then step 2 as the engine recorded it on the 4 processes, in seconds (`ultrascale
+pp-schedule --trace FILE --out chart.png` draws the same). Forwards blue, backwards green (for zero bubble:
+input gradients green, weight gradients red), idle time blank. In the recorded charts the same action takes
+different times on different ranks and steps: the ranks share this CPU's cores.
 '''),
             GANTT,
             md(r'''
@@ -307,7 +316,7 @@ part12.exercise_2(input_grad, weight_grad)
         ),
         QuizQuestion(
             question="What does interleaving cost?",
-            options=["v times more point-to-point messages, and more activations in flight",
+            options=["About v times more point-to-point messages, and more activations in flight",
                      "v times more parameters per rank",
                      "An all-reduce per layer",
                      "Nothing: it is free"],

@@ -80,7 +80,8 @@ def exercise_1(one_f_one_b_stage):
                                      f"forwards, then alternates: {want} forwards before the first backward")
             if warmups == [min(p - s + 1, m) for s in range(p)]:
                 raise AssertionError(f"{where}: one warm-up forward too many on each stage (p - stage); 1F1B "
-                                     f"warms up with p - stage - 1, so {want} forwards come before the first backward: the last stage "
+                                     f"warms up with p - stage - 1, so {want} forwards come before the first "
+                                     f"backward: the last stage "
                                      f"goes backward right after its first forward")
             if warmups == [min(p, m)] * p:
                 raise AssertionError(f"{where}: every stage warms up with p - 1 forwards; stage s needs only "

@@ -60,6 +60,10 @@ def exercise_1(layer_assignment):
 
 # -- exercise 2 ---------------------------------------------------------------------------------
 
+def _first_line(e) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 def _describe(name, got, want):
     import torch
 
@@ -87,7 +91,7 @@ def exercise_2(input_grad, weight_grad):
     except NotImplementedError:
         raise
     except RuntimeError as e:
-        raise AssertionError(f"input_grad failed ({(str(e).splitlines() or [type(e).__name__])[0]}): y = x Wᵀ + b, so "
+        raise AssertionError(f"input_grad failed ({_first_line(e)}): y = x Wᵀ + b, so "
                              f"dL/dx = grad_out @ W, [..., out] @ [out, in]") from None
     problem = _describe("the input gradient", gx, x.grad)
     if problem:
@@ -99,7 +103,7 @@ def exercise_2(input_grad, weight_grad):
     except NotImplementedError:
         raise
     except RuntimeError as e:
-        raise AssertionError(f"weight_grad failed ({(str(e).splitlines() or [type(e).__name__])[0]}): flatten x and grad_out to "
+        raise AssertionError(f"weight_grad failed ({_first_line(e)}): flatten x and grad_out to "
                              f"[tokens, features] first") from None
     if not isinstance(got, tuple) or len(got) != 2:
         raise AssertionError("weight_grad returns a tuple (grad_w, grad_b)")
