@@ -1,0 +1,342 @@
+"""Part 12 of the series: interleaved and zero-bubble pipeline schedules.
+
+The source of notebooks/12_interleaved_and_zero_bubble.ipynb (build it with
+`python notebooks/src/build.py 12`). The engine trains on 4 real gloo processes
+with 1F1B, interleaved 1F1B and ZB-H1; every figure is measured in the notebook:
+the losses against one process, the recorded timelines drawn as Gantt charts, the
+bubble measured and simulated.
+"""
+
+from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Reference, Section
+
+
+def md(text):
+    return Cell("markdown", text.strip("\n"))
+
+
+def code(text, needs_gpu=False):
+    return Cell("code", text.strip("\n"), needs_gpu)
+
+
+SETUP = code(r'''
+import os
+import tempfile
+
+import torch
+from IPython.display import Image, display
+
+from ultrascale.config import ParallelConfig, RunConfig, TrainConfig
+from ultrascale.model import get_preset
+from ultrascale.parallel.pipeline import draw
+from ultrascale.parallel.pipeline.partition import rank_chunks, split
+from ultrascale.parallel.pipeline.schedules import build, schedule
+from ultrascale.parallel.pipeline.simulate import simulate
+from ultrascale.testing.compare import train_on, train_parallel
+
+torch.set_num_threads(1)
+WORLD = 4                                   # 4 real processes (gloo, this CPU), one pipeline rank each
+MODEL = get_preset("tiny", layers=8)        # 8 transformer blocks
+OUT = tempfile.mkdtemp()
+''')
+
+CHUNKS = code(r'''
+# The engine's partition: 8 blocks over p = 4 ranks, as 1 stage per rank and as v = 2 chunks per rank.
+for v in (1, 2):
+    stages = split(MODEL.layers, WORLD, v)
+    print(f"v = {v}: " + "; ".join(f"rank {r} holds {[list(c) for c in rank_chunks(stages, r, WORLD, v)]}"
+                                   for r in range(WORLD)))
+''')
+
+INTERLEAVED_SIM = code(r'''
+p, m = 4, 8
+print("interleaved, v = 2, rank 0:", " ".join(map(repr, build("interleaved", p, m, 2)[0])), "(Fk.1: chunk 1)")
+# The simulator at unit cost per full model (a chunk of v costs 1/v): the bubble, and the messages sent.
+for v in (1, 2, 4):
+    name = "1f1b" if v == 1 else "interleaved"
+    acts = schedule(name, p, m, v)
+    tl = simulate(acts, p, v, t_f=1.0 / v, t_b=2.0 / v, t_w=0.0)
+    messages = sum(a.kind.startswith("SEND") for rank in acts for a in rank)
+    print(f"v = {v}: bubble ratio {tl.bubble_ratio:.4f}, (p - 1)/(v m) = {(p - 1) / (v * m):.4f}; "
+          f"point-to-point messages per step {messages}")
+''')
+
+ZB_SIM = code(r'''
+p, m = 4, 8
+for rank, acts in enumerate(build("zero-bubble", p, m)):
+    print(f"ZB-H1 rank {rank}: " + " ".join(map(repr, acts)))
+# F, I (input gradient) and W (weight gradient) each cost 1: a full backward B = I + W costs 2.
+for name in ("1f1b", "zero-bubble"):
+    tl = simulate(schedule(name, p, m), p, t_f=1.0, t_b=1.0, t_w=1.0)
+    print(f"{name:11s}: idle time per rank {tl.bubble_time:g}, bubble ratio {tl.bubble_ratio:.4f}, "
+          f"micro-batches in flight {tl.peak_in_flight}")
+''')
+
+ENGINE = code(r'''
+RUNS = {"1f1b": 1, "interleaved": 2, "zero-bubble": 1}   # schedule -> chunks per rank
+M = 8
+
+
+def run(name, v, world=WORLD):
+    """Train 2 steps on `world` ranks (one process when world is 1); every rank's record and the
+    recorded timeline of step 2."""
+    trace = os.path.join(OUT, f"{name}.json") if world > 1 else ""
+    parallel = ParallelConfig(pp=world, pp_schedule=name, pp_chunks=v) if world > 1 else ParallelConfig()
+    train = TrainConfig(steps=2, seq_len=128, micro_batch=2 if world > 1 else 2 * M,
+                        grad_accum=M if world > 1 else 1, seed=3, progress=False, pp_trace=trace)
+    cfg = RunConfig(model=MODEL, parallel=parallel, train=train)
+    records = train_parallel(cfg, world) if world > 1 else [train_on(cfg, 1)]
+    spans = None
+    if trace:
+        ranks = draw.read_trace(trace)["ranks"]
+        spans = [[(x["action"], x["kind"], x["start"], x["end"]) for x in rank] for rank in ranks]
+    return records, spans
+
+
+single, _ = run("1f1b", 1, world=1)
+print("one process        :", " ".join(f"{x:.6f}" for x in single[0].losses))
+results = {}
+for name, v in RUNS.items():
+    results[name] = run(name, v)
+    losses = results[name][0][0].losses
+    worst = max(abs(a - b) / b for a, b in zip(losses, single[0].losses))
+    print(f"pp = 4 {name:12s}: " + " ".join(f"{x:.6f}" for x in losses) + f"   (worst relative difference {worst:.1e})")
+''')
+
+GANTT = code(r'''
+for name, v in RUNS.items():
+    label = f"{name}, pp = 4" + (f", v = {v}" if v > 1 else "") + f", m = {M}"
+    # The schedule as planned: the simulator at F = 1, I = 1, W = 1 per stage (a chunk costs 1/v of that).
+    tl = simulate(schedule(name, WORLD, M, v), WORLD, v, t_f=1.0 / v, t_b=1.0 / v, t_w=1.0 / v)
+    planned = os.path.join(OUT, f"{name}_simulated.png")
+    draw.draw(draw.spans_from_timeline(tl), f"{label}: simulated, bubble {tl.bubble_ratio:.3f}", planned)
+    # The same schedule as it ran: the engine's recorded step 2, in seconds.
+    spans = results[name][1]
+    recorded = os.path.join(OUT, f"{name}_recorded.png")
+    draw.draw(spans, f"{label}: recorded, bubble {draw.measured_bubble_ratio(spans):.3f}", recorded)
+    display(Image(filename=planned), Image(filename=recorded))
+''')
+
+BUBBLE = code(r'''
+def mean(spans, kind):
+    times = [e - s for rank in spans for _, k, s, e in rank if k == kind]
+    return sum(times) / len(times) if times else 0.0
+
+
+for name, v in RUNS.items():
+    records, spans = results[name]
+    t_f = mean(spans, "F")
+    t_b = mean(spans, "B") or mean(spans, "I")       # a whole backward, or its input half (zero bubble)
+    t_w = mean(spans, "W")
+    sim = simulate(schedule(name, WORLD, M, v), WORLD, v, t_f=t_f, t_b=t_b, t_w=t_w)
+    acts = [f"{r.memory[-1]['activations'] / 2**20:.1f}" for r in records]
+    print(f"{name:11s}: F {1e3 * t_f:.1f} ms, {'I' if t_w else 'B'} {1e3 * t_b:.1f} ms"
+          + (f", W {1e3 * t_w:.1f} ms" if t_w else "")
+          + f"; bubble measured {draw.measured_bubble_ratio(spans):.3f}, simulated with these costs "
+            f"{sim.bubble_ratio:.3f}; peak activations per rank {acts} MiB")
+''')
+
+
+EPISODE = Episode(
+    number=12,
+    title="Interleaved and Zero-Bubble Schedules",
+    slug="interleaved_and_zero_bubble",
+    subtitle="Shrinking the pipeline bubble: virtual stages, and a backward split in two",
+    overview=[
+        "Interleaved 1F1B: each rank holds v chunks of layers (virtual stages), the bubble falls to (p - 1)/(v m)",
+        "The price of interleaving: about v times more point-to-point messages, and more activations in flight",
+        "Zero bubble (ZB-H1): the backward split into the input gradient (I), which the previous stage waits "
+        "for, and the weight gradient (W), which nobody waits for and which fills the bubble",
+        "The engine trains with each schedule on 4 real ranks: same losses as one process, its recorded "
+        "timelines drawn as Gantt charts, the bubble measured against the simulator",
+    ],
+    references=[
+        Reference(11, "pipeline stages, AFAB, 1F1B and the bubble (p - 1)/m"),
+        Reference(2, "what activations a layer keeps for its backward"),
+    ],
+    sections=[
+        Section("Virtual stages", [
+            md(r'''
+In Part 11 the bubble was $(p-1)/m$: the fill and drain take $p - 1$ slots of one stage's work per
+micro-batch. Interleaving (Megatron-LM, Narayanan et al. 2021) makes each slot shorter. The model is cut
+into $p \cdot v$ **virtual stages** instead of $p$, and rank $r$ holds $v$ of them, the **chunks**
+$r, r + p, r + 2p, \dots$ (chunk $c$ is virtual stage $c \cdot p + r$). A micro-batch goes through ranks
+$0 \to 1 \to \dots \to p-1$, then back to rank 0 for chunk 1, and so on: $v$ laps of the ring.
+'''),
+            SETUP,
+            CHUNKS,
+            md(r'''
+A chunk is $1/v$ of a stage's work, so the fill and drain, still $p - 1$ steps long, each cost a $v$-th of
+what they did: the bubble becomes $(p-1)/(v\,m)$. Every lap crosses every rank boundary, so each
+micro-batch now sends $2(p\,v - 1)$ point-to-point messages (activations forward, gradients back) instead
+of $2(p - 1)$: about $v$ times more. Megatron's schedule runs forwards of $p$
+micro-batches on chunk 0, then the same $p$ on chunk 1, ... (so $m$ must be a multiple of $p$ here), and
+its warm-up is longer than 1F1B's: each rank keeps more activations in flight.
+'''),
+            INTERLEAVED_SIM,
+        ]),
+        Section("Zero bubble: split the backward", [
+            md(r'''
+A layer's backward computes two things: the gradient of its **input**, $\partial L/\partial x = g\,W$, which
+the previous stage is waiting for, and the gradient of its **weights**, $\partial L / \partial W = g^\top x$,
+which nobody needs before the optimizer step. Qi et al. (2023) split the backward into **I** and **W**:
+send I's result on at once, and run W later, in time the rank would otherwise spend idle. W needs the
+layer's input $x$ and output gradient $g$, so those stay in memory until W runs.
+
+**ZB-H1** keeps 1F1B's memory (at most $p - r$ micro-batches between F and I on rank $r$) and moves W
+passes into the cool-down. With $t_F = t_I = t_W$ its idle time is $(p-1)(t_F + t_I - t_W)$ against 1F1B's
+$(p-1)(t_F + t_I + t_W)$: a third. Schedules that also reorder more freely (ZB-H2, DeepSeek's DualPipe)
+reach nearly zero at the cost of more memory.
+
+In the simulator's count below, a micro-batch is in flight from its F to its W. That is an upper bound: at
+I a rank can free everything but what W still needs (the inputs of the linear layers and their output
+gradients), and the engine's activation meter, which counts saved activations from F to I, reads the same
+as 1F1B's further down. The linear layers' inputs held for W come on top of it.
+'''),
+            ZB_SIM,
+        ]),
+        Section("On real ranks, drawn", [
+            md(r'''
+The engine runs every schedule from the same action lists (`ultrascale train --nproc 4 --pp 4
+--pp-schedule interleaved --pp-chunks 2 --pp-trace FILE`); for zero bubble it swaps every linear layer for
+one whose backward can leave the weight gradient for later. Each gives the losses of one process:
+'''),
+            ENGINE,
+            md(r'''
+For each schedule, two Gantt charts: the action lists played by the simulator at equal costs (what the
+schedule intends), then step 2 as the engine recorded it on the 4 processes, in seconds (`ultrascale
+pp-schedule --trace FILE --out chart.png` draws the same). Forwards blue, backwards green (for zero bubble:
+input gradients green, weight gradients red), idle time blank. In the recorded charts the same action takes
+different times on different ranks and steps: the ranks share this CPU's cores.
+'''),
+            GANTT,
+            md(r'''
+The bubble of each recorded step, against the simulator played with the mean durations measured in that
+step (per chunk for interleaving), and the activations each rank held at its peak (the engine's meter,
+from F to B or I). The simulated bubbles follow the formulas. The measured ones add what the simulator
+leaves out: as in Part 11, four processes share this CPU, and every message costs real time. Interleaving
+multiplies the messages by $v$ while its chunks here are one block of a few milliseconds, so on this CPU it
+can measure no better than 1F1B, or worse: interleave only where a chunk's compute is large against a
+message. Its memory price shows on every rank: more activations held than under 1F1B.
+'''),
+            BUBBLE,
+        ]),
+    ],
+    exercises=[
+        Exercise(
+            title="Which chunk holds which layers",
+            instructions=r'''
+Write `layer_assignment(n_layers, p, v)`: for each rank $r$, for each of its chunks $c$, the list of layer
+ids it holds. The layers are cut, in order, into $p \cdot v$ virtual stages of equal size, the first
+$n \bmod (p\,v)$ virtual stages taking one layer more; chunk $c$ of rank $r$ is virtual stage $c \cdot p + r$.
+Return `[[chunk 0 layers, chunk 1 layers, ...] for each rank]`. The check compares with the engine's
+partition for several (layers, p, v), uneven ones included.
+''',
+            starter=r'''
+def layer_assignment(n_layers, p, v):
+    """[[layer ids of chunk c] for c in range(v)] for each rank r in range(p)."""
+    # TODO: sizes of the p*v virtual stages, their layers in order, then deal them to (rank, chunk)
+    raise NotImplementedError
+''',
+            solution=r'''
+def layer_assignment(n_layers, p, v):
+    """[[layer ids of chunk c] for c in range(v)] for each rank r in range(p)."""
+    stages = p * v
+    base, extra = divmod(n_layers, stages)
+    virtual, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        virtual.append(list(range(start, start + size)))
+        start += size
+    return [[virtual[c * p + r] for c in range(v)] for r in range(p)]
+''',
+            check=r'''
+from ultrascale.series.checks import part12
+part12.exercise_1(layer_assignment)
+''',
+            hints=[
+                "First forget the ranks: cut the layers into p·v consecutive groups, the first n mod (p·v) one larger.",
+                "`divmod(n_layers, p * v)` gives the base size and how many groups take one more.",
+                "Then rank r's chunk c is group c·p + r: `[[groups[c * p + r] for c in range(v)] for r in range(p)]`.",
+            ],
+        ),
+        Exercise(
+            title="Split a linear layer's backward",
+            instructions=r'''
+For $y = x W^\top + b$ ($x$: `[batch, seq, in]`, $W$: `[out, in]`), write the two halves of the backward
+pass that zero-bubble schedules run at different times, given $g = \partial L / \partial y$:
+
+- `input_grad(grad_out, weight)`: $\partial L / \partial x$, what the previous stage waits for (I);
+- `weight_grad(x, grad_out)`: `(grad_w, grad_b)`, which can wait (W).
+
+The check compares with torch autograd on the same layer, then runs a backward that computes only input
+gradients through your `input_grad`, and applies your `weight_grad` afterwards: the gradients must be
+autograd's.
+''',
+            starter=r'''
+def input_grad(grad_out, weight):
+    """dL/dx of y = x W^T + b."""
+    # TODO
+    raise NotImplementedError
+
+
+def weight_grad(x, grad_out):
+    """(dL/dW, dL/db) of y = x W^T + b, over every token."""
+    # TODO: flatten the batch and sequence dimensions into one
+    raise NotImplementedError
+''',
+            solution=r'''
+def input_grad(grad_out, weight):
+    """dL/dx of y = x W^T + b."""
+    return grad_out @ weight
+
+
+def weight_grad(x, grad_out):
+    """(dL/dW, dL/db) of y = x W^T + b, over every token."""
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    return g.t() @ x.reshape(-1, x.shape[-1]), g.sum(0)
+''',
+            check=r'''
+from ultrascale.series.checks import part12
+part12.exercise_2(input_grad, weight_grad)
+''',
+            hints=[
+                "Write y = x Wᵀ for one token and differentiate: which shapes can multiply to give [.., in] and "
+                "[out, in]?",
+                "dL/dx = grad_out @ W. The weight is shared by every token, so its gradient sums over all of them.",
+                "Reshape both to [tokens, features]: grad_w = g.t() @ x, grad_b = g.sum(0).",
+            ],
+        ),
+    ],
+    quiz=[
+        QuizQuestion(
+            question="With p = 4, m = 8 and v = 2 chunks per rank, what is the interleaved schedule's bubble ratio?",
+            options=["3/16", "3/8", "3/4", "1/8"],
+            answer=0,
+            why="(p - 1)/(v m) = 3/16: each fill or drain step is one chunk, half a stage.",
+        ),
+        QuizQuestion(
+            question="What does interleaving cost?",
+            options=["About v times more point-to-point messages, and more activations in flight",
+                     "v times more parameters per rank",
+                     "An all-reduce per layer",
+                     "Nothing: it is free"],
+            answer=0,
+            why="Every micro-batch crosses every rank v times, and the longer warm-up keeps more micro-batches alive.",
+        ),
+        QuizQuestion(
+            question="Why can the weight-gradient pass (W) be moved into the bubble but not the input-gradient pass (I)?",
+            options=["The previous stage waits for I's result; W's is needed only at the optimizer step",
+                     "W is cheaper than I",
+                     "I needs no activations",
+                     "W runs on another GPU"],
+            answer=0,
+            why="I is on the critical path between stages; W is not.",
+        ),
+        QuizQuestion(
+            question="With F, I and W of equal cost, how does ZB-H1's idle time compare with 1F1B's?",
+            options=["A third", "The same", "Half", "Zero"],
+            answer=0,
+            why="(p - 1)(t_F + t_I - t_W) against (p - 1)(t_F + t_I + t_W): 1 against 3.",
+        ),
+    ],
+)

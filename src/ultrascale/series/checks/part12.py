@@ -1,0 +1,163 @@
+"""Part 12, interleaved and zero-bubble schedules: layers of virtual stages, and a linear layer's
+backward split into its input-gradient and weight-gradient halves.
+
+Exercise 1 is checked against the engine's partition (ultrascale.parallel.pipeline.partition),
+the rule its pipeline runtime cuts the model with. Exercise 2 is checked against torch
+autograd on the same layer, and by deferring the weight half past a whole backward.
+"""
+
+from __future__ import annotations
+
+CASES_1 = [(8, 4, 2), (8, 2, 2), (10, 2, 2), (12, 4, 3), (7, 2, 3), (16, 4, 2), (6, 2, 1)]
+
+
+def exercise_1(layer_assignment):
+    """layer_assignment(n_layers, p, v) -> [[layer ids of chunk c] for c in range(v)] for each rank."""
+    from ultrascale.parallel.pipeline.partition import rank_chunks, split
+
+    for n, p, v in CASES_1:
+        got = layer_assignment(n, p, v)
+        where = f"{n} layers, p = {p}, v = {v}"
+        stages = split(n, p, v)
+        want = [[list(ids) for ids in rank_chunks(stages, r, p, v)] for r in range(p)]
+        try:
+            got = [[[int(i) for i in chunk] for chunk in rank] for rank in got]
+        except TypeError:
+            raise AssertionError(f"{where}: return a list per rank, of a list per chunk, of layer ids") from None
+        if len(got) != p or any(len(rank) != v for rank in got):
+            raise AssertionError(f"{where}: got {len(got)} ranks with {[len(r) for r in got]} chunks; "
+                                 f"want {p} ranks of {v} chunks each")
+        flat = sorted(i for rank in got for chunk in rank for i in chunk)
+        if flat != list(range(n)):
+            missing = sorted(set(range(n)) - set(flat))
+            if missing:
+                raise AssertionError(f"{where}: layers {missing} are on no rank: {n} does not divide by "
+                                     f"p·v = {p * v}; the first {n} mod {p * v} = {n % (p * v)} virtual stages "
+                                     f"take one layer more")
+            raise AssertionError(f"{where}: some layers are on two chunks: {flat}")
+        if got == want:
+            continue
+        sizes_got = sorted(len(c) for rank in got for c in rank)
+        if sizes_got == sorted(len(s) for s in stages):
+            per_rank = [sorted(i for c in rank for i in c) for rank in got]
+            if per_rank == [list(range(r * n // p, (r + 1) * n // p)) for r in range(p)] and v > 1:
+                raise AssertionError(f"{where}: rank 0 holds {got[0]}, one contiguous run of layers cut into "
+                                     f"chunks; interleaving deals the p·v virtual stages round-robin: chunk c of "
+                                     f"rank r is virtual stage c·p + r, so rank 0 holds {want[0]}")
+        order = [got[s % p][s // p] for s in range(p * v)]
+        if [len(c) for c in order] != [len(s) for s in stages]:
+            raise AssertionError(f"{where}: virtual stages hold {[len(c) for c in order]} layers, the engine "
+                                 f"{[len(s) for s in stages]}: the first {n} mod {p * v} virtual stages take "
+                                 f"the extra layers (virtual stage 0 first)")
+        for r in range(p):
+            for c in range(v):
+                if got[r][c] != want[r][c]:
+                    raise AssertionError(f"{where}: rank {r} chunk {c} holds {got[r][c]}, the engine puts "
+                                         f"{want[r][c]} there: it is virtual stage c·p + r = {c * p + r}, and "
+                                         f"the virtual stages take the layers in order")
+    print(f"the layers of every (rank, chunk) match the engine's partition for {len(CASES_1)} (layers, p, v)")
+
+
+# -- exercise 2 ---------------------------------------------------------------------------------
+
+def _first_line(e) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def _describe(name, got, want):
+    import torch
+
+    if not isinstance(got, torch.Tensor):
+        return f"{name} is {type(got).__name__}, not a tensor"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{name} has shape {tuple(got.shape)}, want {tuple(want.shape)}"
+    return None
+
+
+def exercise_2(input_grad, weight_grad):
+    """input_grad(grad_out, weight) -> grad_x; weight_grad(x, grad_out) -> (grad_w, grad_b)."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(2, 5, 4, generator=g, dtype=torch.float64)
+    F.linear(x, w, b).backward(grad_out)
+
+    try:
+        gx = input_grad(grad_out.clone(), w.detach().clone())
+    except NotImplementedError:
+        raise
+    except RuntimeError as e:
+        raise AssertionError(f"input_grad failed ({_first_line(e)}): y = x Wᵀ + b, so "
+                             f"dL/dx = grad_out @ W, [..., out] @ [out, in]") from None
+    problem = _describe("the input gradient", gx, x.grad)
+    if problem:
+        raise AssertionError(f"{problem}: dL/dx = grad_out @ W has the shape of x")
+    if not torch.allclose(gx, x.grad):
+        raise AssertionError("the input gradient differs from autograd's: y = x Wᵀ + b, so dL/dx = grad_out @ W")
+    try:
+        got = weight_grad(x.detach().clone(), grad_out.clone())
+    except NotImplementedError:
+        raise
+    except RuntimeError as e:
+        raise AssertionError(f"weight_grad failed ({_first_line(e)}): flatten x and grad_out to "
+                             f"[tokens, features] first") from None
+    if not isinstance(got, tuple) or len(got) != 2:
+        raise AssertionError("weight_grad returns a tuple (grad_w, grad_b)")
+    gw, gb = got
+    if isinstance(gw, torch.Tensor) and tuple(gw.shape) == tuple(w.shape)[::-1]:
+        raise AssertionError(f"your weight gradient has shape {tuple(gw.shape)}, the weight {tuple(w.shape)} "
+                             f"([out, in]): it is transposed; dL/dW = grad_outᵀ @ x")
+    if isinstance(gw, torch.Tensor) and gw.dim() == 3:
+        raise AssertionError(f"your weight gradient has shape {tuple(gw.shape)}: one per batch element; the "
+                             f"weight is shared by every token, so sum over batch and sequence: reshape x and "
+                             f"grad_out to [tokens, features], then grad_outᵀ @ x")
+    problem = _describe("the weight gradient", gw, w.grad)
+    if problem:
+        raise AssertionError(f"{problem}: dL/dW = grad_outᵀ @ x over all tokens, [out, in]")
+    if not torch.allclose(gw, w.grad):
+        raise AssertionError("the weight gradient differs from autograd's: dL/dW = grad_outᵀ @ x, summed over "
+                             "every token")
+    problem = _describe("the bias gradient", gb, b.grad)
+    if problem:
+        raise AssertionError(f"{problem}: dL/db = grad_out summed over every token")
+    if not torch.allclose(gb, b.grad):
+        if torch.allclose(gb * 10, b.grad):
+            raise AssertionError("your bias gradient is the mean over the 10 tokens: the bias is added to every "
+                                 "token, so its gradient is the sum")
+        raise AssertionError("the bias gradient differs from autograd's: dL/db = grad_out summed over every token")
+
+    # Deferred: a two-layer chain whose backward computes only input gradients; the weights' come later.
+    pending = []
+
+    class SplitLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inp, weight, bias):
+            ctx.save_for_backward(inp, weight)
+            ctx.bias = bias
+            return F.linear(inp, weight, bias)
+
+        @staticmethod
+        def backward(ctx, g_out):
+            inp, weight = ctx.saved_tensors
+            pending.append((weight, ctx.bias, inp, g_out))
+            return input_grad(g_out, weight), None, None
+
+    w1 = torch.randn(8, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    b1 = torch.randn(8, generator=g, dtype=torch.float64, requires_grad=True)
+    x2 = torch.randn(3, 4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(5, 8, generator=g, dtype=torch.float64)
+    loss = (torch.tanh(F.linear(x2, w1, b1)) @ w2.t()).square().sum()
+    ref = torch.autograd.grad(loss, [x2, w1, b1])
+    out = torch.tanh(SplitLinear.apply(x2, w1, b1)) @ w2.t()
+    out.square().sum().backward()
+    assert w1.grad is None, "the backward pass must not touch the weights' .grad: W comes later"
+    for weight, bias, inp, g_out in pending:  # the W pass, deferred
+        weight.grad, bias.grad = weight_grad(inp, g_out)
+    for name, got_t, want_t in (("x", x2.grad, ref[0]), ("weight", w1.grad, ref[1]), ("bias", b1.grad, ref[2])):
+        assert torch.allclose(got_t, want_t), (f"with W deferred after the whole backward, the gradient of the "
+                                               f"{name} differs from autograd's")
+    print("input and weight gradients equal autograd's, also with the weight pass deferred after the backward")
