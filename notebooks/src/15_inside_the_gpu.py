@@ -201,8 +201,13 @@ for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION):
 
 # Many small kernels: launch overhead dominates; a CUDA graph replays them all at once.
 small = torch.randn(256, device=dev)
+side = torch.cuda.Stream()                 # warm up on a side stream before capturing, as CUDA graphs require
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    for _ in range(3):
+        chain(small)
+torch.cuda.current_stream().wait_stream(side)
 g = torch.cuda.CUDAGraph()
-static_out = chain(small)
 with torch.cuda.graph(g):
     static_out = chain(small)
 print(f"chain of 5 tiny kernels: eager {gpu_time(lambda: chain(small)) * 1e6:.1f} us, "
