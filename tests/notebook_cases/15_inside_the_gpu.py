@@ -91,3 +91,9 @@ PRINTED = [
     "softmax from the blocked normaliser == torch.softmax: True",
     "naive attention at 4096 tokens, 32 heads: scores 1.0 GiB in bf16",
 ]
+
+MISTAKES.append(("1", "whole score matrix", "your code formed a [8, 64] tensor", '''
+def flash_attention_forward(q, k, v, block):
+    scores = (q @ k.T) * q.shape[-1] ** -0.5
+    return torch.softmax(scores, dim=-1) @ v
+'''))

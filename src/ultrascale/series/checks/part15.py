@@ -43,6 +43,23 @@ def _blocked_variants(q, k, v, block):
             "no_rescale_at_all": acc / l_never}
 
 
+def _ShapeWatch(m, n):
+    """A torch function mode noting whether any op returns an [m, n] (or [n, m]) tensor: the full scores."""
+    from torch.overrides import TorchFunctionMode
+
+    class Watch(TorchFunctionMode):
+        full = False
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            shape = tuple(getattr(out, "shape", ()))
+            if len(shape) >= 2 and shape[-2:] in ((m, n), (n, m)):
+                Watch.full = True
+            return out
+
+    return Watch()
+
+
 def exercise_1(flash_attention_forward):
     """flash_attention_forward(q, k, v, block) -> [m, d], equal to SDPA of q over all of k, v."""
     import torch
@@ -56,12 +73,17 @@ def exercise_1(flash_attention_forward):
         # Keys sorted so that later blocks raise the max: the rescaling is exercised on every row.
         order = (q.mean(0, keepdim=True) @ k.T).squeeze(0).argsort()
         k, v = k[order].contiguous(), v[order].contiguous()
-        got = flash_attention_forward(q.clone(), k.clone(), v.clone(), block)
+        with _ShapeWatch(m, n) as watch:
+            got = flash_attention_forward(q.clone(), k.clone(), v.clone(), block)
         want = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
         assert tuple(got.shape) == tuple(want.shape), (
             f"the output has shape {tuple(got.shape)}; one row per query, one column per value dimension: "
             f"{tuple(want.shape)}")
         if torch.isfinite(got).all() and max_rel_diff(got, want) <= 1e-4:
+            if watch.full:
+                raise AssertionError(f"the output is right, but your code formed a [{m}, {n}] tensor: the scores of "
+                                     f"every key at once, which is what FlashAttention never writes out; compute "
+                                     f"q @ k_blk.T for one block of {block} keys at a time")
             continue
         wrong = _blocked_variants(q, k, v, block)
         if not torch.isfinite(got).all():
