@@ -57,7 +57,6 @@ BAD = [
     (["--nproc", "4", "--dp", "3"], "make the product equal --nproc"),
     (["--dtype", "fp8"], "--dtype must be"),
     (["--recompute", "some"], "--recompute must be"),
-    (["--model", "tiny-moe", "--compile"], "--compile with a Mixture-of-Experts model"),
     (["--dtype", "fp16", "--loss-scale-window", "0"], "--loss-scale-window positive"),
     (["--model", "gpt5"], "unknown model preset"),
     (["--resume", "/no/such/dir"], "no such checkpoint"),

@@ -75,3 +75,13 @@ def test_compiled_layouts_match_the_eager_single_process_run(label, world, cfg):
     ref = RunRecord.of(train_single(single_process_config(eager(cfg))))
     got = train_parallel(cfg, world)[0]
     assert_matches(compare(f"compile {label} vs eager 1 process", ref, got))
+
+
+def test_a_compiled_moe_model_matches_under_expert_parallelism():
+    # A block with experts compiles its attention half and norms; the MoE layer, whose shapes follow
+    # the routing, stays eager. Against one eager process fed the same micro-batches (the aux loss
+    # is a statistic of each micro-batch's tokens).
+    cfg = validate(dataclasses.replace(config(dp=2, ep=2), model=get_preset("tiny-moe")), 2)
+    ref = RunRecord.of(train_single(single_process_config(eager(cfg), same_micro_batches=True)))
+    got = train_parallel(cfg, 2)[0]
+    assert_matches(compare("compile ep 2 (MoE layer eager) vs eager 1 process", ref, got))

@@ -264,6 +264,27 @@ for mode, base in (("backward only", None), ("naive", "backward only"), ("overla
 print(f"every mode's averaged gradients equal DDP's: {m['same']}  ({time.perf_counter() - t0:.1f} s)")
 ''')
 
+PROFILE = code(r'''
+# The engine's profiler: a torch.profiler trace per rank (`ultrascale train --profile DIR`), read by
+# `ultrascale trace DIR`, which intersects the communication intervals with the compute intervals.
+import tempfile
+
+from ultrascale.config import ParallelConfig, RunConfig, TrainConfig
+from ultrascale.model import get_preset
+from ultrascale.testing.compare import train_on
+from ultrascale.train.trace_report import report
+
+for mode in ("naive", "bucket"):
+    with tempfile.TemporaryDirectory() as traces:
+        cfg = RunConfig(model=get_preset("tiny"), parallel=ParallelConfig(dp=WORLD, dp_mode=mode, bucket_mb=0.05),
+                        train=TrainConfig(steps=3, seq_len=32, micro_batch=4, progress=False,
+                                          profile=traces, profile_steps="2:3"))
+        train_on(cfg, WORLD)  # the engine on the same 2 ranks, profiling steps 2 and 3
+        ranks = report(traces)
+    shares = ", ".join(f"rank {r['rank']} {r['hidden_share']:.0%}" for r in ranks)
+    print(f"{mode:6s}: {ranks[0]['comm_ms']:5.1f} ms of communication on rank 0; hidden behind compute: {shares}")
+''')
+
 NO_SYNC = code(r'''
 def no_sync_calls(x, y, forward_inside, accum=4):
     """DDP's all-reduce calls after each micro-batch of one optimizer step, on each rank."""
@@ -467,7 +488,15 @@ How to read it, and the limits of a CPU measurement:
   are small, and DDP overlaps well.
 - **Buckets** also cut the number of collectives (one per bucket instead of one per tensor), which is what
   matters when each call has a fixed cost, such as the latency of a message across nodes.
+
+A stopwatch infers the overlap; a profiler shows it. The engine records a trace per rank
+(`ultrascale train --profile DIR`, Chrome trace format: open it in Perfetto) with named spans for forward,
+backward, the optimizer and every collective, and `ultrascale trace DIR` measures, per rank, how much of the
+communication ran while backward was computing (the comm-compute overlap of Holistic Trace Analysis). Naive
+hides none of it by construction; buckets launched during backward hide a share that varies from run to run
+on a shared CPU:
 '''),
+            PROFILE,
         ]),
         Section("Optimisation 3: gradient accumulation and `no_sync`", [
             md(r'''

@@ -202,11 +202,6 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         raise ConfigError(f"--grad-clip must be >= 0 (0 turns clipping off), got {t.grad_clip}")
     if t.profile:
         check_profile_steps(t)
-    if t.compile and cfg.model.is_moe:
-        # Measured (ep 2, 2 steps): the compiled router's first-step gradient 98% off the eager one,
-        # and every block recompiled for each new tokens-per-expert shape.
-        raise ConfigError("--compile with a Mixture-of-Experts model: the routing's data-dependent shapes "
-                          "defeat compilation and its router gradients differ from eager; drop --compile")
     if t.fp8 and cfg.parallel.tp > 1:
         raise ConfigError(f"--fp8 with --tp {cfg.parallel.tp}: the tensor-parallel layers are not nn.Linear, so "
                           f"torchao's FP8 would not reach them; run --fp8 with --tp 1 (dp, ZeRO, pp, cp compose)")

@@ -203,6 +203,7 @@ MISTAKES = [
 ]
 
 PRINTED = [
+    "hidden behind compute: rank 0 0%, rank 1 0%",  # naive: the profiler sees no overlap
     "rank 0 of 2, backend gloo\nrank 1 of 2, backend gloo",
     "summed  : ranks agree: True, gradient / single-process gradient: 2.000, equal to it: False",
     "averaged: ranks agree: True, gradient / single-process gradient: 1.000, equal to it: True",
