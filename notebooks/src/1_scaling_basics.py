@@ -79,17 +79,21 @@ for dtype, metrics in runs.items():
 ''')
 
 PLANNER = code(r'''
+import contextlib
+import io
 import json
-import subprocess
-import sys
+
+from ultrascale.cli import main as ultrascale  # the `ultrascale` command, run in this process
 
 
 def plan_states(precision):
-    """The planner's model states for Llama 3 8B on one GPU (no parallelism), bytes per owner."""
-    out = subprocess.run([sys.executable, "-m", "ultrascale", "plan", "memory", "--model", "llama3-8b",
-                          "--dp", "1", "--zero", "0", "--micro-batch", "1", "--seq-len", "4096",
-                          "--precision", precision, "--json"], capture_output=True, text=True, check=True)
-    plan = json.loads(out.stdout)
+    """The planner's model states for Llama 3 8B on one GPU (no parallelism), bytes per owner:
+    `ultrascale plan memory --model llama3-8b ... --json`."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ultrascale(["plan", "memory", "--model", "llama3-8b", "--dp", "1", "--zero", "0", "--micro-batch", "1",
+                    "--seq-len", "4096", "--precision", precision, "--json"])
+    plan = json.loads(out.getvalue())
     return plan["param_count"], {k: plan["memory"][k] for k in ("params", "grads", "optim")}
 
 

@@ -88,18 +88,22 @@ print(f"each extra position adds {slope:g} bytes per token = 4 bytes x {slope / 
 ''')
 
 PLANNER = code(r'''
+import contextlib
+import io
 import json
-import subprocess
-import sys
+
+from ultrascale.cli import main as ultrascale  # the `ultrascale` command, run in this process
 
 
 def planned_activations(seq_len, attention="flash", recompute="none"):
-    """The planner's activation bytes for Llama 3 8B in bf16, one sequence per micro-batch, our engine's kernels."""
-    out = subprocess.run([sys.executable, "-m", "ultrascale", "plan", "memory", "--model", "llama3-8b",
-                          "--dp", "1", "--micro-batch", "1", "--seq-len", str(seq_len), "--framework", "ultrascale",
-                          "--attention", attention, "--recompute", recompute, "--json"],
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)["memory"]["activations"]
+    """The planner's activation bytes for Llama 3 8B in bf16, one sequence per micro-batch, our engine's kernels:
+    `ultrascale plan memory --model llama3-8b ... --json`."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ultrascale(["plan", "memory", "--model", "llama3-8b", "--dp", "1", "--micro-batch", "1",
+                    "--seq-len", str(seq_len), "--framework", "ultrascale", "--attention", attention,
+                    "--recompute", recompute, "--json"])
+    return json.loads(out.getvalue())["memory"]["activations"]
 
 
 for seq_len in (2048, 4096, 8192):

@@ -185,7 +185,12 @@ def measured_peak(device: torch.device, dtype: str, group_size: int = 1) -> floa
     ops = dist.ReduceOp if distributed else None
     missing = reduce(float(key not in _CACHE), ops.MAX if ops else None)
     if missing:
-        _CACHE[key] = measure(device, dtype, agree=lambda x: int(reduce(float(x), ops.MAX if ops else None)),
+        # A CPU reaches its ceiling already at n = 256-1024 (measured: the same TFLOP/s at every
+        # size in quiet runs, docs/benchmarks.md), so training spends a quarter of a second on it,
+        # not the second `ultrascale peak` allows itself; a GPU needs its large sizes.
+        budget = 0.25 if device.type == "cpu" else 1.0
+        _CACHE[key] = measure(device, dtype, budget_s=budget,
+                              agree=lambda x: int(reduce(float(x), ops.MAX if ops else None)),
                               barrier=dist.barrier if distributed else None)
     mine = _CACHE[key].tflops
     return reduce(mine, ops.SUM if ops else None) / (group_size if distributed else 1)
