@@ -7,15 +7,7 @@ notebook: the planner's memory, attention errors against one process, the
 engine's counted attention work and its training losses.
 """
 
-from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Reference, Section
-
-
-def md(text):
-    return Cell("markdown", text.strip("\n"))
-
-
-def code(text, needs_gpu=False):
-    return Cell("code", text.strip("\n"), needs_gpu)
+from ultrascale.series.episode import Episode, Exercise, QuizQuestion, Reference, Section, code, md
 
 
 SETUP = code(r'''

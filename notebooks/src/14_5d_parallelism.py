@@ -6,15 +6,7 @@ processes; composed layouts are trained by the engine against one process; memor
 throughput come from the planner (ultrascale.plan), checked against the playbook's measured runs.
 """
 
-from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Reference, Section
-
-
-def md(text):
-    return Cell("markdown", text.strip("\n"))
-
-
-def code(text):
-    return Cell("code", text.strip("\n"))
+from ultrascale.series.episode import Episode, Exercise, QuizQuestion, Reference, Section, code, md
 
 
 SETUP = code(r'''

@@ -8,15 +8,7 @@ against the unfused one, the online softmax against torch's, and the engine's
 training step eager against `--compile`.
 """
 
-from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Reference, Section
-
-
-def md(text):
-    return Cell("markdown", text.strip("\n"))
-
-
-def code(text, needs_gpu=False):
-    return Cell("code", text.strip("\n"), needs_gpu)
+from ultrascale.series.episode import Episode, Exercise, QuizQuestion, Reference, Section, code, md
 
 
 SETUP = code(r'''

@@ -7,15 +7,7 @@ and the engine's runs in fp32, bf16 (fp32 master weights), fp16 (dynamic loss sc
 read back from its JSONL metrics) and FP8 (torchao, emulated on the CPU).
 """
 
-from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Reference, Section
-
-
-def md(text):
-    return Cell("markdown", text.strip("\n"))
-
-
-def code(text, needs_gpu=False):
-    return Cell("code", text.strip("\n"), needs_gpu)
+from ultrascale.series.episode import Episode, Exercise, QuizQuestion, Reference, Section, code, md
 
 
 SETUP = code(r'''

@@ -6,15 +6,7 @@ Everything runs in one CPU process on the engine's `tiny` model; the 8B figures 
 planner (`ultrascale plan memory`) and from the model's shape on the meta device.
 """
 
-from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Section
-
-
-def md(text):
-    return Cell("markdown", text.strip("\n"))
-
-
-def code(text, needs_gpu=False):
-    return Cell("code", text.strip("\n"), needs_gpu)
+from ultrascale.series.episode import Episode, Exercise, QuizQuestion, Section, code, md
 
 
 STEP = code(r'''

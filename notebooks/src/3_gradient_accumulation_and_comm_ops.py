@@ -5,15 +5,7 @@ The source of notebooks/3_gradient_accumulation_and_comm_ops.ipynb (build it wit
 process; every collective runs on 4 real gloo processes (`on_ranks`).
 """
 
-from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Reference, Section
-
-
-def md(text):
-    return Cell("markdown", text.strip("\n"))
-
-
-def code(text, needs_gpu=False):
-    return Cell("code", text.strip("\n"), needs_gpu)
+from ultrascale.series.episode import Episode, Exercise, QuizQuestion, Reference, Section, code, md
 
 
 SETUP = code(r'''

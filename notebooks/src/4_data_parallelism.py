@@ -7,15 +7,7 @@ on those ranks with the engine's data-parallel modes and with PyTorch DDP; the
 exercise checks live in ultrascale.series.checks.part4.
 """
 
-from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Reference, Section
-
-
-def md(text):
-    return Cell("markdown", text.strip("\n"))
-
-
-def code(text, needs_gpu=False):
-    return Cell("code", text.strip("\n"), needs_gpu)
+from ultrascale.series.episode import Episode, Exercise, QuizQuestion, Reference, Section, code, md
 
 
 SETUP = code(r'''

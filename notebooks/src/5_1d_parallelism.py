@@ -5,15 +5,7 @@ Every figure comes from the planner (ultrascale.plan: memory and time models of 
 H100 cluster) or from a real run of the engine, on one process and on 2 gloo processes.
 """
 
-from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Reference, Section
-
-
-def md(text):
-    return Cell("markdown", text.strip("\n"))
-
-
-def code(text):
-    return Cell("code", text.strip("\n"))
+from ultrascale.series.episode import Episode, Exercise, QuizQuestion, Reference, Section, code, md
 
 
 SETUP = code(r'''

@@ -6,15 +6,7 @@ measured by the engine (bytes of the tensors each owner holds) and, for a real m
 at scale, computed by the planner.
 """
 
-from ultrascale.series.episode import Cell, Episode, Exercise, QuizQuestion, Reference, Section
-
-
-def md(text):
-    return Cell("markdown", text.strip("\n"))
-
-
-def code(text, needs_gpu=False):
-    return Cell("code", text.strip("\n"), needs_gpu)
+from ultrascale.series.episode import Episode, Exercise, QuizQuestion, Reference, Section, code, md
 
 
 SETUP = code(r'''

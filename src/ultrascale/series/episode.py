@@ -35,6 +35,16 @@ class Cell:
         self.source = _edges(self.source)
 
 
+def md(text: str) -> Cell:
+    """A markdown cell, for episode sources written in Python (notebooks/src)."""
+    return Cell("markdown", text.strip("\n"))
+
+
+def code(text: str, needs_gpu: bool = False) -> Cell:
+    """A code cell, for episode sources written in Python (notebooks/src)."""
+    return Cell("code", text.strip("\n"), needs_gpu)
+
+
 @dataclass
 class Section:
     """A `## heading` and the cells under it."""
