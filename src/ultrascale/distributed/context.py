@@ -118,13 +118,21 @@ def _coords(layout: ParallelConfig, rank: int) -> dict:
     return coords
 
 
-def resolve_device(pref: str, local_rank: int) -> torch.device:
+def device_of(pref: str, local_rank: int = 0) -> torch.device:
+    """The device `--device pref` names for this local rank (auto: CUDA where it is visible)."""
     if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def resolve_device(pref: str, local_rank: int) -> torch.device:
+    """device_of, made current: refused when CUDA is asked for and none is visible."""
+    dev = device_of(pref, local_rank)
+    if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
         torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    return dev
 
 
 def init_parallel(layout: ParallelConfig, device: str = "auto", timeout_s: float = 300) -> ParallelContext:

@@ -96,14 +96,6 @@ def spearman(a, b) -> float:
     return num / den if den else 0.0
 
 
-def _quantile(xs, q: float) -> float:
-    """The q-quantile by linear interpolation between order statistics."""
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
-
-
 def validate(rows: list[dict], framework: str = "playbook", gpu_name: str = "h100-80gb") -> dict:
     fw, gpu = get_framework(framework), get_gpu(gpu_name)
     key = ("model", "nodes", "micro_batch", "grad_accum", "dp", "pp", "tp", "zero_stage")
@@ -129,7 +121,7 @@ def validate(rows: list[dict], framework: str = "playbook", gpu_name: str = "h10
                "median_memory_error": statistics.median(errors), "mean_spearman": statistics.fmean(rho.values()),
                "spearman_by_group": rho, "framework": framework, "gpu": gpu_name,
                "throughput_ratio_by_nodes": {n: {"runs": len(v), "median": statistics.median(v),
-                                                 "p90": _quantile(v, 0.9)} for n, v in sorted(ratios.items())}}
+                                                 "p90": statistics.quantiles(v, n=10, method="inclusive")[-1]} for n, v in sorted(ratios.items())}}
     figures["goals_met"] = (figures["accuracy"] >= GOALS["accuracy"]
                             and figures["median_memory_error"] <= GOALS["median_memory_error"]
                             and figures["mean_spearman"] >= GOALS["mean_spearman"])

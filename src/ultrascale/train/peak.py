@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ultrascale.distributed.context import device_of
 from ultrascale.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -114,20 +115,13 @@ def parse_peak(value) -> float | str:
     return x
 
 
-def resolve_device(name: str) -> torch.device:
-    """The device `--device NAME` trains on (as init_parallel chooses it; cuda index 0 here)."""
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
-
-
 def check_peak(value, device_name: str, dtype: str) -> None:
     """Refuse, before training, a --peak that cannot be honoured on this device."""
     from ultrascale.train.metrics import PEAK_TFLOPS, peak_tflops
 
     if parse_peak(value) != "datasheet":
         return
-    device = resolve_device(device_name)
+    device = device_of(device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
         return  # --device cuda without a GPU: the run itself says so
     if peak_tflops(device, dtype) is None:
@@ -219,7 +213,7 @@ def cmd_peak(args) -> int:
         raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no GPU is visible to torch: use --device cpu")
-    device = resolve_device(args.device)
+    device = device_of(args.device)
     sizes = [args.size] if args.size else None
     peak = measure(device, args.dtype, sizes, repeats=10, budget_s=5.0)
     sheet = peak_tflops(device, args.dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ultrascale.series.ranks import RankError, on_ranks
 
-__all__ = ["on_ranks", "RankError", "close", "max_rel_diff"]
+__all__ = ["on_ranks", "RankError", "max_rel_diff", "ratio"]
 
 
 def max_rel_diff(got, want) -> float:
@@ -24,13 +24,6 @@ def max_rel_diff(got, want) -> float:
     got, want = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64)
     scale = want.abs().max().item() or 1.0
     return (got - want).abs().max().item() / scale
-
-
-def close(got, want, rtol: float = 1e-5) -> bool:
-    import torch
-
-    got, want = torch.as_tensor(got), torch.as_tensor(want)
-    return got.shape == want.shape and max_rel_diff(got, want) <= rtol
 
 
 def ratio(got, want) -> float:
