@@ -35,6 +35,16 @@ class Framework:
     mfu: float  # fraction of the device peak the model's matmuls reach when nothing else interferes
     layer_overhead_s: float  # fixed cost per layer per micro-batch (kernel launches, small kernels)
     microbatch_overhead_s: float = 0.0  # fixed cost per micro-batch and stage (scheduling, host work)
+    # What a collective on the critical path costs beyond its bytes, per ring step: the launch, and the
+    # wait for the group's slowest member (time.py, "Synchronization"). Added to the link's latency.
+    collective_step_s: float = 0.0
+    # How much more that costs inside a pipeline: a framework whose pipeline receive reads the tensor's
+    # shape on the host (nanotron's metadata handshake) synchronizes the CPU with the GPU every
+    # micro-batch, so the collectives of the blocks after it are paid as the CPU launches them.
+    pipeline_sync_factor: float = 1.0
+    # A cost per micro-batch that grows with the square of the nodes the job spans (the pairs of nodes
+    # the network carries): what the cluster adds at scale, the same for every model (time.py).
+    node_pair_sync_s: float = 0.0
     help: str = ""
     # -- more implementation facts (activations.ActivationSpec) ----------------
     attention: str = "flash"  # flash | eager (keeps the s x s softmax)
@@ -46,18 +56,19 @@ FRAMEWORKS = {
     "ultrascale": Framework(
         "ultrascale", kernels="eager", sp_keeps_gathered_input=True, partition="even",
         context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
-        help="our engine: eager kernels, exact on CPU"),
+        collective_step_s=20e-6, help="our engine: eager kernels, exact on CPU"),
     "playbook": Framework(
         "playbook", kernels="fused", sp_keeps_gathered_input=False, partition="compute",
-        context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
+        context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.0,
+        collective_step_s=20e-6, pipeline_sync_factor=8.0, node_pair_sync_s=2e-4,
         help="the playbook's benchmark framework (nanotron on H100), calibrated on its runs"),
     # Megatron-LM as Korthikanti et al. (2022) and Llama 3's stack describe it: fused kernels, the
     # sequence-parallel linear keeps its shard, even stages (first/last may be pinned), dropout in the
     # GPT block, fused SwiGLU. Its constants are the playbook's: not calibrated on Megatron's runs.
     "megatron": Framework(
         "megatron", kernels="fused", sp_keeps_gathered_input=False, partition="even",
-        context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
-        help="Megatron-LM: fused kernels, even stages, dropout masks, fused SwiGLU", dropout=True,
+        context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.70, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
+        collective_step_s=20e-6, help="Megatron-LM: fused kernels, even stages, dropout masks, fused SwiGLU", dropout=True,
         fused_swiglu=True),
 }
 

@@ -2,7 +2,7 @@
 
   ultrascale plan --model llama3-8b --gpus 64 --gpu h100-80gb --seq-len 4096 --global-batch-tokens 1048576
   ultrascale plan memory --model llama3-8b --dp 8 --zero 1 --micro-batch 1 --seq-len 4096 [--json] [--chart mem.png]
-  ultrascale plan validate [--data playbook_benchmarks.csv] [--json]
+  ultrascale plan validate [--data playbook_benchmarks.csv] [--json] [--cross-validate]
 
 Importing this module costs argparse only; the planner loads when a command runs.
 """
@@ -99,6 +99,9 @@ def add_parser(sub) -> None:
     v = plan_sub.add_parser("validate", help="the planner's figures against the playbook's H100 runs")
     v.add_argument("--data", help="the CSV (default: ../shared/data/playbook_benchmarks.csv, else the packaged copy)")
     v.add_argument("--json", action="store_true", help="print the figures as JSON")
+    v.add_argument("--cross-validate", action="store_true",
+                   help="also calibrate the time model's synchronization constants on two models and report "
+                        "the other two")
     v.set_defaults(func=cmd_validate)
 
 
@@ -240,18 +243,19 @@ def cmd_memory(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from ultrascale.plan.validate import load_rows, report_lines, validate
+    from ultrascale.plan.validate import cross_validate, cross_validation_lines, load_rows, report_lines, validate
 
     rows, source = load_rows(args.data)
     try:
         figures = validate(rows)
+        folds = cross_validate(rows) if args.cross_validate else None
     except (KeyError, ValueError) as e:
         from ultrascale.config import ConfigError
 
         raise ConfigError(f"{source}: not the playbook benchmark format ({e})") from None
     if args.json:
-        print(json.dumps({"source": source, **figures}, indent=1))
+        print(json.dumps({"source": source, **figures, **({"cross_validation": folds} if folds else {})}, indent=1))
     else:
-        print("\n".join(report_lines(figures, source)))
+        print("\n".join(report_lines(figures, source) + (cross_validation_lines(folds) if folds else [])))
     sys.stdout.flush()
     return 0 if figures["goals_met"] else 1

@@ -61,7 +61,9 @@ class Layout:
     def label(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}{'+sp' if self.sp_on else ''}", f"pp{self.pp}"]
         if self.pp > 1:
-            parts[-1] += f"({self.schedule}{f' v{self.chunks}' if self.chunks > 1 else ''})"
+            ends = (f" ends {self.first_stage_layers or '='}/{self.last_stage_layers or '='}"
+                    if self.first_stage_layers or self.last_stage_layers else "")
+            parts[-1] += f"({self.schedule}{f' v{self.chunks}' if self.chunks > 1 else ''}{ends})"
         if self.cp > 1:
             parts.append(f"cp{self.cp}({self.cp_attention})")
         if self.ep > 1:

@@ -62,6 +62,15 @@ def _costliest(t) -> str:
     return f"{k.replace('_', ' ')} ({100 * waits[k] / t.step_s:.0f}% of the step)"
 
 
+def _why(c, gpu) -> str:
+    """The three things a layout trades: memory headroom, the pipeline bubble, exposed communication."""
+    t = c.time
+    comm = sum(v for k, v in t.breakdown.items() if k.endswith("_comm") or k == "sync")
+    return (f"{(gpu.memory_bytes - c.memory.peak.total) / GIB:.1f} GiB of memory headroom, a bubble of "
+            f"{100 * t.breakdown.get('bubble', 0.0) / t.step_s:.0f}% and exposed communication of "
+            f"{100 * comm / t.step_s:.0f}% of the step")
+
+
 def explain(shape, result, gpu, gpus, sequences) -> list[str]:
     """The winner in the playbook's three steps."""
     best = result.ranked[0]
@@ -77,7 +86,8 @@ def explain(shape, result, gpu, gpus, sequences) -> list[str]:
            f"{sequences} sequences of {lay.seq_len} tokens = {lay.tokens_per_step:,} tokens per step.",
            f"3. Maximise throughput: {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU (MFU {100 * t.mfu:.1f}%); "
            f"compute is {100 * (t.breakdown['compute'] + t.breakdown['recompute']) / t.step_s:.0f}% of the "
-           f"{t.step_s:.2f} s step, the largest other cost is {_costliest(t)}."]
+           f"{t.step_s:.2f} s step, the largest other cost is {_costliest(t)}.",
+           f"   Why it wins: {_why(best, gpu)}."]
     if len(result.ranked) > 1:
         nxt = result.ranked[1]
         gap = 100 * (1 - nxt.time.tokens_per_s_per_gpu / t.tokens_per_s_per_gpu)

@@ -3,7 +3,9 @@
 1. Fit a training step in memory: enumerate every layout of the GPUs
    (dp·tp·pp·cp = gpus, ep carved out of dp; tp within a node and dividing the
    heads; pp within the layers; cp cutting the sequence into 2·cp chunks), every
-   ZeRO stage, recomputation and pipeline schedule, and drop what does not fit.
+   ZeRO stage, recomputation and pipeline schedule (interleaved with every chunk count that
+   divides a stage's blocks; first and last stages one block lighter as in Llama 3), and drop
+   what does not fit.
 2. Reach the target global batch: micro_batch x grad_accum x dp sequences,
    with an integer number of accumulation steps.
 3. Maximise throughput: rank what is left by predicted tokens/s/GPU.
@@ -113,13 +115,20 @@ def _variants(shape, base, fixed, allowed):
         schedules = [(fixed["schedule"], fixed.get("chunks") or (2 if fixed["schedule"] == "interleaved" else 1))]
     elif (fixed.get("chunks") or 1) > 1:  # --chunks alone asks for the interleaved schedule
         schedules = [("interleaved", fixed["chunks"])] if base["pp"] > 1 else []
+    ends = [(fixed.get("first_stage_layers") or 0, fixed.get("last_stage_layers") or 0)]
+    if base["pp"] >= 3 and not any(ends[0]):
+        # Llama 3's balance: one block fewer on the first stage (it also embeds, and holds the most
+        # micro-batches in flight) and on the last (the head and the loss).
+        fewer = -(-shape.layers // base["pp"]) - 1
+        if fewer >= 1:
+            ends.append((fewer, fewer))
     for zero in allowed("zero", zeros):
         for recompute in allowed("recompute", ["none", "selective", "full"]):
             for schedule, chunks in schedules:
-                yield Layout(**base, zero=zero, recompute=recompute, schedule=schedule, chunks=chunks,
-                             sp=fixed.get("sp", True), cp_attention=fixed.get("cp_attention") or "zigzag",
-                             first_stage_layers=fixed.get("first_stage_layers") or 0,
-                             last_stage_layers=fixed.get("last_stage_layers") or 0)
+                for first, last in ends if chunks == 1 else ends[:1]:
+                    yield Layout(**base, zero=zero, recompute=recompute, schedule=schedule, chunks=chunks,
+                                 sp=fixed.get("sp", True), cp_attention=fixed.get("cp_attention") or "zigzag",
+                                 first_stage_layers=first, last_stage_layers=last)
 
 
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}

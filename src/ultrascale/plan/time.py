@@ -46,16 +46,17 @@ from ultrascale.plan.states import stage_blocks, stage_params
 RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1}
 
 
-def latency_steps(n: int) -> int:
-    """Latency terms of one collective: NCCL picks the better of a ring (n - 1 steps) and a tree
-    (2·log2 n steps: up and down a binary tree)."""
-    return min(n - 1, 2 * math.ceil(math.log2(n)))
+def latency_steps(n: int, kind: str = "all_reduce") -> int:
+    """Latency terms of one collective: for an all-reduce NCCL picks the better of a ring (n - 1
+    steps) and a tree (2·log2 n steps: up and down a binary tree); all-gather, reduce-scatter and
+    all-to-all have no tree: n - 1 steps."""
+    return min(n - 1, 2 * math.ceil(math.log2(n))) if kind == "all_reduce" else n - 1
 
 
 def ring_time(kind: str, nbytes: float, n: int, link) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return RING_STEPS[kind] * ((n - 1) / n * nbytes / link.bandwidth + latency_steps(n) * link.latency)
+    return RING_STEPS[kind] * ((n - 1) / n * nbytes / link.bandwidth + latency_steps(n, kind) * link.latency)
 
 
 def p2p_time(nbytes: float, link) -> float:
@@ -168,10 +169,13 @@ def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
         gathers = 4 if fw.sp_keeps_gathered_input else 6
         tp = n_layers * (gathers * ring_time("all_gather", act_full, lay.tp, tp_link)
                          + 4 * ring_time("reduce_scatter", act_full, lay.tp, tp_link))
+        tp_steps = n_layers * (gathers + 4) * (lay.tp - 1)
     else:  # 2 all-reduces forward, 2 backward
         tp = n_layers * 4 * ring_time("all_reduce", act_full, lay.tp, tp_link)
+        tp_steps = n_layers * 4 * 2 * (lay.tp - 1)
     if blocks[1] or blocks[2]:  # vocabulary-parallel embedding / head
         tp += 2 * ring_time("all_gather" if lay.sp_on else "all_reduce", act_full, lay.tp, tp_link)
+        tp_steps += 2 * (1 if lay.sp_on else 2) * (lay.tp - 1)
     t["tp_comm"] = tp
     t["cp_comm"] = 0.0
     if lay.cp > 1:
@@ -186,6 +190,13 @@ def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
     if lay.ep > 1:  # dispatch and combine, forward and backward, each an all-to-all of top_k copies
         ep_link = link_of(gpu, lay, "ep")
         t["ep_comm"] = n_layers * 4 * ring_time("all_to_all", shape.top_k * act_full, lay.ep, ep_link)
+    # Synchronization (see the module's docstring): every ring step of a collective on the critical
+    # path costs collective_step_s, pipeline_sync_factor times more where a pipeline receive
+    # synchronizes the host; and each micro-batch pays node_pair_sync_s per pair of nodes.
+    steps = tp_steps + (n_layers * 4 * (lay.ep - 1) if lay.ep > 1 else 0)
+    factor = fw.pipeline_sync_factor if lay.pp > 1 else 1.0
+    nodes = -(-lay.world // gpu.node_size)
+    t["sync"] = steps * fw.collective_step_s * factor + fw.node_pair_sync_s * nodes**2
     t["pp_comm"] = 0.0
     if lay.pp > 1:  # receive the input forward, the gradient backward (once per chunk, interleaved)
         pp_link = link_of(gpu, lay, "pp_next")
@@ -198,7 +209,8 @@ def _collectives(kind, nbytes, n, link, bucket_bytes) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     buckets = max(1, -(-nbytes // bucket_bytes))
-    return RING_STEPS[kind] * ((n - 1) / n * nbytes / link.bandwidth + buckets * latency_steps(n) * link.latency)
+    return RING_STEPS[kind] * ((n - 1) / n * nbytes / link.bandwidth
+                               + buckets * latency_steps(n, kind) * link.latency)
 
 
 def step_time(shape, lay, gpu, fw) -> StepTime:

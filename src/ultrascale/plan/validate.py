@@ -13,9 +13,11 @@ Three figures, each with its goal:
   each (model, nodes) group of finished runs;
 - per node count, the median and 90th percentile of predicted / measured
   tokens/s/GPU over the finished runs (1.0 is exact; above it, the planner is
-  optimistic). The goal is a median within [0.8, 1.25] and a p90 within 2x at
-  every node count; the time model meets it on 1-2 nodes and not beyond yet
-  (docs/planner.md, "Where the time model is off").
+  optimistic). The goal is a median within [0.8, 1.25] at every node count (met)
+  and a p90 within 2x (met at 1, 2 and 64 nodes: docs/planner.md, "The time
+  model at scale");
+- a cross-validation (`cross_validate`): the three synchronization constants
+  calibrated on two of the four models, the figures reported on the other two.
 
 The runs share one recipe (the data's README): H100 80 GB, 8 GPUs per node,
 sequence 4096, global batch 256 sequences, bf16 with fp32 gradient accumulation,
@@ -25,7 +27,10 @@ AdamW, 1F1B, TP with sequence parallelism, FlashAttention, no recomputation.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
+import itertools
+import math
 import statistics
 from collections import defaultdict
 from importlib import resources
@@ -39,7 +44,7 @@ from ultrascale.plan.memory import memory_plan
 from ultrascale.plan.shape import get_shape
 from ultrascale.plan.time import step_time
 
-GOALS = {"accuracy": 0.90, "median_memory_error": 0.10, "mean_spearman": 0.70}
+GOALS = {"accuracy": 0.90, "median_memory_error": 0.10, "mean_spearman": 0.80}
 RATIO_GOAL = (0.8, 1.25, 2.0)  # median predicted/measured throughput within [0.8, 1.25], p90 within 2x
 CSV_NAME = "playbook_benchmarks.csv"
 
@@ -122,10 +127,74 @@ def validate(rows: list[dict], framework: str = "playbook", gpu_name: str = "h10
                "spearman_by_group": rho, "framework": framework, "gpu": gpu_name,
                "throughput_ratio_by_nodes": {n: {"runs": len(v), "median": statistics.median(v),
                                                  "p90": statistics.quantiles(v, n=10, method="inclusive")[-1]} for n, v in sorted(ratios.items())}}
+    lo, hi, _ = RATIO_GOAL
     figures["goals_met"] = (figures["accuracy"] >= GOALS["accuracy"]
                             and figures["median_memory_error"] <= GOALS["median_memory_error"]
-                            and figures["mean_spearman"] >= GOALS["mean_spearman"])
+                            and figures["mean_spearman"] >= GOALS["mean_spearman"]
+                            and all(lo <= r["median"] <= hi for r in figures["throughput_ratio_by_nodes"].values()))
     return figures
+
+
+# The constants the cross-validation calibrates (calibration.Framework), the values it tries, and the
+# folds: each pair of models calibrates, the other pair is reported.
+SYNC_GRID = {"collective_step_s": (10e-6, 20e-6, 30e-6), "pipeline_sync_factor": (4.0, 8.0, 12.0),
+             "node_pair_sync_s": (1e-4, 2e-4, 3e-4)}
+FOLDS = (("1B", "8B"), ("3B", "80B"))
+
+
+def throughput_figures(finished: list, fw, gpu) -> dict:
+    """Per node count the median and p90 of predicted / measured tokens/s/GPU, the mean Spearman over
+    (model, nodes) groups, and the mean squared log ratio; `finished` holds (model, nodes, shape,
+    layout, measured)."""
+    ratios, groups = defaultdict(list), defaultdict(lambda: ([], []))
+    for model, nodes, shape, lay, measured in finished:
+        predicted = step_time(shape, lay, gpu, fw).tokens_per_s_per_gpu
+        ratios[nodes].append(predicted / measured)
+        groups[(model, nodes)][0].append(measured)
+        groups[(model, nodes)][1].append(predicted)
+    rhos = [spearman(a, b) for a, b in groups.values() if len(a) >= 3]
+    return {"median": {n: statistics.median(v) for n, v in sorted(ratios.items())},
+            "p90": {n: statistics.quantiles(v, n=10, method="inclusive")[-1] for n, v in sorted(ratios.items())},
+            "mean_spearman": statistics.fmean(rhos),
+            "msle": statistics.fmean(math.log(x) ** 2 for v in ratios.values() for x in v)}
+
+
+def _loss(f: dict) -> float:
+    """What calibration minimises: every node count's median off 1 (squared log), a fifth of the mean
+    squared log error (the spread), less the mean Spearman (the ranking)."""
+    return sum(math.log(m) ** 2 for m in f["median"].values()) + 0.2 * f["msle"] - f["mean_spearman"]
+
+
+def cross_validate(rows: list[dict], framework: str = "playbook", gpu_name: str = "h100-80gb") -> list[dict]:
+    """For each fold: the SYNC_GRID values that fit the fold's two models best, and the figures they
+    give on the two models left out."""
+    fw, gpu = get_framework(framework), get_gpu(gpu_name)
+    finished = [(r["model"], int(r["nodes"]), get_shape(r["model"].lower()), row_layout(r),
+                 float(r["tokens_per_s_per_gpu"])) for r in rows if r["status"] == "ok"]
+    out = []
+    for fold in FOLDS:
+        train = [x for x in finished if x[0] in fold]
+        test = [x for x in finished if x[0] not in fold]
+        best = min((dict(zip(SYNC_GRID, values)) for values in itertools.product(*SYNC_GRID.values())),
+                   key=lambda c: _loss(throughput_figures(train, dataclasses.replace(fw, **c), gpu)))
+        out.append({"calibrated_on": list(fold), "reported_on": sorted({x[0] for x in test}, key=lambda m: float(m[:-1])),
+                    "constants": best, **throughput_figures(test, dataclasses.replace(fw, **best), gpu)})
+    return out
+
+
+def cross_validation_lines(folds: list[dict]) -> list[str]:
+    lo, hi, _ = RATIO_GOAL
+    out = ["cross-validation: the synchronization constants calibrated on two models, reported on the others"]
+    for f in folds:
+        c = f["constants"]
+        out.append(f"  calibrated on {' + '.join(f['calibrated_on'])}: collective_step_s "
+                   f"{c['collective_step_s'] * 1e6:g} us, pipeline_sync_factor {c['pipeline_sync_factor']:g}, "
+                   f"node_pair_sync_s {c['node_pair_sync_s'] * 1e3:g} ms")
+        meds = "  ".join(f"{n}:{m:.2f}" for n, m in f["median"].items())
+        ok = all(lo <= m <= hi for m in f["median"].values())
+        out.append(f"    on {' + '.join(f['reported_on'])}: median by nodes {meds}  "
+                   f"({'all in' if ok else 'NOT all in'} [{lo}, {hi}]); mean Spearman {f['mean_spearman']:.3f}")
+    return out
 
 
 def report_lines(f: dict, source: str) -> list[str]:
@@ -136,14 +205,13 @@ def report_lines(f: dict, source: str) -> list[str]:
            f"{ok(f['accuracy'] >= GOALS['accuracy'])})",
            f"median |peak memory error| (finished): {100 * f['median_memory_error']:5.1f}%  (goal <= 10%: "
            f"{ok(f['median_memory_error'] <= GOALS['median_memory_error'])})",
-           f"mean Spearman, tokens/s/GPU by group:  {f['mean_spearman']:5.3f}   (goal >= 0.7: "
+           f"mean Spearman, tokens/s/GPU by group:  {f['mean_spearman']:5.3f}   (goal >= 0.8: "
            f"{ok(f['mean_spearman'] >= GOALS['mean_spearman'])})",
            "predicted / measured tokens/s/GPU by node count (goal: median in [0.8, 1.25], p90 <= 2):"]
     lo, hi, p90 = RATIO_GOAL
     for n, r in f["throughput_ratio_by_nodes"].items():
-        met = lo <= r["median"] <= hi and r["p90"] <= p90
-        out.append(f"  {n:3d} nodes: {r['runs']:4d} runs, median {r['median']:5.2f}, p90 {r['p90']:6.2f}  "
-                   f"({ok(met)})")
+        out.append(f"  {n:3d} nodes: {r['runs']:4d} runs, median {r['median']:5.2f} ({ok(lo <= r['median'] <= hi)}), "
+                   f"p90 {r['p90']:6.2f} ({ok(r['p90'] <= p90)})")
     out.append("Spearman by (model, nodes):")
     items = list(f["spearman_by_group"].items())
     for i in range(0, len(items), 4):
