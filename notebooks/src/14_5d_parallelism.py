@@ -140,7 +140,7 @@ for (tp, pp), c in sorted(best.items(), key=lambda kv: -kv[1].time.tokens_per_s_
     print(f"  tp{tp} pp{pp} dp{c.layout.dp:<2d} {c.time.tokens_per_s_per_gpu:5.0f} tok/s/GPU: "
           f"compute {b['compute']:5.2f}"
           f"  tp comm {b['tp_comm']:4.2f}  bubble {b['bubble']:4.2f}  dp comm {b['dp_comm']:4.2f}"
-          f"  overhead {b['kernel_overhead']:4.2f}")
+          f"  sync {b['sync']:4.2f}  overhead {b['kernel_overhead']:4.2f}")
 ''')
 
 VALIDATE = code(r'''
@@ -223,7 +223,7 @@ EPISODE = Episode(
         "The playbook's three steps with the planner, for Llama 3 70B on 64 H100s: fit in memory, reach the "
         "global batch, maximise throughput - and why the winner wins",
         "How far to trust it: predicted against the playbook's measured runs (Spearman per group), and where "
-        "the time model is still off at 32-64 nodes",
+        "single runs still stray at 4-32 nodes",
         "`plan --emit-config`: the planner's choice as a TOML file the engine trains",
     ],
     references=[
@@ -329,11 +329,14 @@ Why the winner wins, read from the breakdowns above: compute is nearly the same 
 FLOPs split over 64 GPUs; the slowest pipeline stage sets the pace), so the ranking is decided by what is
 **not** hidden. tp 8 pays more than twice the tensor-parallel communication of tp 4: it sits on the
 critical path of every layer, and its share of the work per collective shrinks as tp grows. Longer
-pipelines shrink dp and its gradient reduction, but add bubble and more micro-batches per rank (more
-fixed overhead per step). The winner is the balance: tp as large as memory requires and no larger, inside
-a node; a short pipeline whose schedule shrinks the bubble (zero-bubble; the interleaved variants are
-within 1%, a tie, so the simpler layout is listed first); dp for the rest, with ZeRO-1 sharding the
-optimizer states.
+pipelines shrink dp and its gradient reduction, but add bubble, and here they also make every
+tensor-parallel collective dearer (`sync`): the framework whose runs calibrate this model (nanotron)
+reads the shape of every tensor a pipeline stage receives on the host, which stops the CPU from running
+ahead of the GPU, so the collectives after it are paid as they are launched - eight times the 20 µs per
+ring step they cost without a pipeline. The winner is the balance: tp 8 inside a node and no pipeline,
+dp for the rest, with ZeRO-1 sharding the optimizer states (ZeRO-2 ties it within 1%, so the simpler
+layout is listed first). A framework whose pipeline never synchronizes the host would shift the balance
+towards the pipelined layouts; `--framework` says which one is planned for.
 '''),
         ]),
         Section("How far to trust the planner", [
@@ -347,12 +350,18 @@ rank correlation (1: the same order, 0: unrelated):
             VALIDATE,
             MEASURED,
             md(r'''
-The ranking is good (a mean Spearman above 0.7, most groups above it); the weakest groups are 8B and 80B on
-few nodes, where some measured runs (ZeRO-0 with pipeline parallelism) are far slower than any collective
-explains. On one or two nodes the absolute predictions are close. At 32-64 nodes the measured runs are
-several times slower than the model predicts, as the ratios above show: their median MFU is a fraction of
-what the same runs reach on one node, far below what bandwidth and latency explain (docs/planner.md
-discusses it). Use the planner to **rank and prune**, then measure the few best layouts on
+The ranking is good (a mean Spearman above 0.8; the weakest groups are 8B and 80B on few nodes, where some
+measured runs, ZeRO-0 with pipeline parallelism, are far slower than any collective explains), and the
+medians of predicted over measured throughput are within [0.8, 1.25] at every node count. Bytes and FLOPs
+alone do not get there: at 32-64 nodes the runs are 3-12 times slower than those predict. The time model adds
+three synchronization costs, named constants of the framework (`calibration.py`): every ring step of a
+collective the compute waits for (tensor parallelism) costs 20 µs; eight times that inside a pipeline, because
+nanotron's pipeline receive reads the incoming tensor's shape on the host, which stops the CPU from running
+ahead of the GPU; and each micro-batch pays 0.2 ms per pair of nodes in the job (about 0.8 s at 64 nodes,
+the same for the 1B and the 80B model: a cost of the cluster, not of bytes). Calibrated on two of the models,
+they predict the other two as well (`ultrascale plan validate --cross-validate`). Single runs still stray:
+a tenth of the runs at 4-32 nodes are 3-4 times slower than predicted. Use the planner to **rank and prune**,
+then measure the few best layouts on
 the real cluster before a long run - especially at scale.
 '''),
         ]),
@@ -360,9 +369,9 @@ the real cluster before a long run - especially at scale.
             md(r'''
 `ultrascale plan ... --emit-config plan.toml` writes the chosen layout in the engine's own configuration
 format, which `ultrascale train --config plan.toml` runs. Scaled down to what runs here: the tiny model,
-4 "GPUs" and 8 sequences of 32 tokens. For a model this small the planner's choice is pure data
-parallelism (there is nothing worth splitting); pinning `--tp 2` asks for its best layout with tensor
-parallelism, which is then written and trained:
+4 "GPUs" and 8 sequences of 32 tokens. For a model this small nothing is worth splitting: the layouts
+differ only by fixed costs per block and per micro-batch, and the planner's free choice follows them;
+pinning `--tp 2` asks for its best layout with tensor parallelism, which is then written and trained:
 '''),
             EMIT,
         ]),
@@ -505,15 +514,16 @@ part14.exercise_2(best_layout)
             "Memory (step 1) and the batch (step 2) only filter; step 3 ranks what is left by throughput.",
         ),
         QuizQuestion(
-            "The planner's ranking of the playbook's runs correlates well with the measured one (mean Spearman "
-            "above 0.7), but at 64 nodes its absolute tokens/s are several times too high. What follows?",
+            "The planner's ranking of the playbook's runs correlates well with the measured one and its median "
+            "error is within 25% at every node count, yet a tenth of the runs at 4-32 nodes are 3-4 times slower "
+            "than predicted. What follows?",
             ["The planner is useless at scale",
              "Use it to rank and prune layouts, then measure the best few on the real cluster",
              "Trust its absolute numbers and skip measuring",
              "Only use layouts on one node"],
             1,
-            "Order is what a search needs; the absolute figures at scale depend on effects no bandwidth model "
-            "captures, so the final choice is measured.",
+            "Order and the typical run are what a search needs; single runs at scale stray for reasons no model "
+            "of bytes and FLOPs captures, so the final choice is measured.",
         ),
     ],
 )

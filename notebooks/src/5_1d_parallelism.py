@@ -232,9 +232,12 @@ planner's choice as the number of GPUs grows:
 '''),
             SWEEP,
             md(r'''
-Up to 512 GPUs, doubling the GPUs halves GA and the step time, and throughput per GPU holds: in the
-planner's model each micro-batch's compute still hides the data-parallel communication. Then the batch runs
-out. At 512 GPUs GA is already 1; at 1024 only MBS 1 is left, each GPU computes a single sequence per step,
+Up to 512 GPUs, doubling the GPUs halves GA and nearly halves the step time; the data-parallel
+communication still hides behind each micro-batch's compute (0.000 s exposed). Throughput per GPU falls all
+the same, because every micro-batch also waits on synchronization that grows with the job: the planner's
+time model, calibrated on the playbook's measured runs, charges about 0.2 ms per pair of nodes per
+micro-batch (0.05 s at 16 nodes, 0.8 s at 64: the slowdown those runs show at scale, whatever the model
+size). Then the batch runs out. At 512 GPUs GA is already 1; at 1024 only MBS 1 is left, each GPU computes a single sequence per step,
 and the communication no longer hides behind it - throughput per GPU drops. At 2048 GPUs there is nothing
 to give the extra GPUs at all. Communication does not shrink with more replicas (every step still reduces
 the full gradients, over rings of more and more GPUs) while the compute that hides it does: that is the

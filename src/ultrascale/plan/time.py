@@ -47,10 +47,10 @@ RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all
 
 
 def latency_steps(n: int, kind: str = "all_reduce") -> int:
-    """Latency terms of one collective: for an all-reduce NCCL picks the better of a ring (n - 1
-    steps) and a tree (2·log2 n steps: up and down a binary tree); all-gather, reduce-scatter and
-    all-to-all have no tree: n - 1 steps."""
-    return min(n - 1, 2 * math.ceil(math.log2(n))) if kind == "all_reduce" else n - 1
+    """Latency terms of one collective: the better of a ring (n - 1 steps) and a tree or its
+    equivalent for gathers (2·log2 n steps: NCCL's tree all-reduce, its PAT all-gather and
+    reduce-scatter)."""
+    return min(n - 1, 2 * math.ceil(math.log2(n)))
 
 
 def ring_time(kind: str, nbytes: float, n: int, link) -> float:
