@@ -239,6 +239,7 @@ def test_winner_is_explained_in_three_steps(capsys):
     (["plan", "memory", "--model", "nope"], "llama3-70b"),
     (["plan", "memory", "--model", "llama3-8b", "--gpu", "v100"], "a100-40gb"),
     (["plan", "memory", "--model", "llama3-8b", "--hidden", "-1"], "--hidden must be a positive"),
+    (["plan", "memory", "--model", "llama3-8b", "--tp", "2", "--ffn-hidden", "14337"], "must divide --ffn-hidden 14337"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     code, out, err = cli(capsys, *args)

@@ -92,6 +92,12 @@ def check_layout(lay: Layout, shape) -> None:
     if shape.heads % lay.tp or shape.kv_heads % lay.tp:
         raise ConfigError(f"--tp {lay.tp} must divide the {shape.heads} query heads and the {shape.kv_heads} "
                           f"key/value heads")
+    widths = {"--ffn-hidden": shape.ffn_hidden, "the expert MLP width": shape.expert_ffn if shape.is_moe else 0,
+              "the shared expert width": shape.shared_expert_ffn}
+    for what, width in widths.items():
+        if width and width % lay.tp:
+            raise ConfigError(f"--tp {lay.tp} must divide {what} {width}: tensor parallelism splits the MLP's "
+                              f"columns evenly (pick a width or tp that divides)")
     for flag, n in (("--pp-first-stage-layers", lay.first_stage_layers),
                     ("--pp-last-stage-layers", lay.last_stage_layers)):
         if n < 0:
