@@ -240,6 +240,8 @@ def test_winner_is_explained_in_three_steps(capsys):
     (["plan", "memory", "--model", "llama3-8b", "--gpu", "v100"], "a100-40gb"),
     (["plan", "memory", "--model", "llama3-8b", "--hidden", "-1"], "--hidden must be a positive"),
     (["plan", "memory", "--model", "llama3-8b", "--tp", "2", "--ffn-hidden", "14337"], "must divide --ffn-hidden 14337"),
+    (["plan", "memory", "--model", "tiny-moe", "--framework", "ultrascale", "--dp", "2", "--ep", "2", "--zero", "3"],
+     "does not gather expert weights"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     code, out, err = cli(capsys, *args)
@@ -448,3 +450,14 @@ def test_search_tries_lighter_first_and_last_stages():
     light = next(c for c in found.ranked if c.layout.first_stage_layers == 7 and c.layout.schedule == "1f1b")
     assert "pp4(1f1b ends 7/7)" in light.layout.label()
     assert [s.layers for s in memory_plan(shape, light.layout, get_framework("megatron")).stages] == [7, 9, 9, 7]
+
+
+def test_search_for_our_engine_never_proposes_what_it_refuses():
+    # ZeRO-3 with expert parallelism is a layout of other frameworks (FSDP2 + EP), not of ours.
+    from ultrascale.plan.search import search
+
+    shape = get_shape("tiny-moe")
+    for name, allowed in (("ultrascale", False), ("megatron", True)):
+        found = search(shape, 4, get_gpu("h100-80gb"), get_framework(name), 64, 32 * 64, with_time=False)
+        assert any(c.layout.ep > 1 for c in found.ranked)
+        assert any(c.layout.ep > 1 and c.layout.zero == 3 for c in found.ranked) == allowed, name

@@ -50,13 +50,14 @@ class Framework:
     attention: str = "flash"  # flash | eager (keeps the s x s softmax)
     dropout: bool = False  # 1-byte dropout masks after attention and MLP
     fused_swiglu: bool = False  # SwiGLU keeps 3f per token, not 4f
+    zero3_with_ep: bool = True  # ZeRO-3 gathers expert weights per unit too (FSDP2 + EP; our engine does not)
 
 
 FRAMEWORKS = {
     "ultrascale": Framework(
         "ultrascale", kernels="eager", sp_keeps_gathered_input=True, partition="even",
         context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
-        collective_step_s=20e-6, help="our engine: eager kernels, exact on CPU"),
+        collective_step_s=20e-6, zero3_with_ep=False, help="our engine: eager kernels, exact on CPU"),
     "playbook": Framework(
         "playbook", kernels="fused", sp_keeps_gathered_input=False, partition="compute",
         context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.0,

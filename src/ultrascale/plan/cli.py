@@ -212,9 +212,12 @@ def cmd_memory(args) -> int:
     from ultrascale.plan.memory import memory_plan
     from ultrascale.plan.time import step_time
 
+    from ultrascale.plan.layout import check_framework
+
     shape = _shape(args)
     gpu, fw = _context(args)
     lay = _layout(args, shape)
+    check_framework(lay, fw)
     plan = memory_plan(shape, lay, fw)
     timing = step_time(shape, lay, gpu, fw)
     if args.emit_config:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ultrascale.config import ConfigError
-from ultrascale.plan.layout import Layout, check_layout
+from ultrascale.plan.layout import Layout, check_framework, check_layout
 from ultrascale.plan.memory import MemoryPlan, memory_plan
 from ultrascale.plan.time import StepTime, step_time
 
@@ -167,6 +167,7 @@ def search(shape, gpus: int, gpu, fw, seq_len: int, global_batch_tokens: int, pr
     for lay in layouts(shape, gpus, gpu, seq_len, sequences, precision, fixed):
         try:
             check_layout(lay, shape)
+            check_framework(lay, fw)
         except ConfigError:
             continue
         result.enumerated += 1
