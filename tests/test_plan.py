@@ -401,6 +401,30 @@ def test_korthikanti_runs(name, params, h, layers, pp, gpus):
     assert plan.peak.total <= get_gpu("a100-80gb").memory_bytes  # trained on 80 GB A100s
 
 
+@pytest.mark.parametrize("name,lay,gpu,published,measure", [
+    # Korthikanti et al. 2022, abstract: 530B on 2240 A100s (tp 8, pp 35), 54.2% MFU.
+    ("megatron-530b", dict(tp=8, pp=35, grad_accum=280, seq_len=2048, recompute="selective"), "a100-80gb", 0.542,
+     "mfu"),
+    # Narayanan et al. 2021, abstract: 1T parameters on 3072 A100s at 502 PFLOP/s, 163 TFLOP/s per GPU
+    # counting the recomputed forward (96·l·h² + 16·l·h·s + 6·V·h per token); tp 8, pp 64, dp 6.
+    ("megatron-1t", dict(tp=8, pp=64, dp=6, grad_accum=512, seq_len=2048, recompute="full", schedule="interleaved",
+                         chunks=2), "a100-80gb", 502e15 / 3072, "narayanan"),
+    # Llama 3 paper, Table 4: 405B on 16,384 H100s (tp 8, pp 16, dp 128, seq 8192), 38-43% MFU.
+    ("llama3-405b", dict(tp=8, pp=16, dp=128, zero=1, grad_accum=16, seq_len=8192, recompute="none",
+                         schedule="interleaved", chunks=4), "h100-80gb", 0.38, "mfu"),
+])
+def test_published_throughput_within_a_quarter(name, lay, gpu, published, measure):
+    shape = get_shape(name)
+    fw = dataclasses.replace(get_framework("megatron"), dropout=name != "llama3-405b")
+    t = step_time(shape, Layout(micro_batch=1, precision="bf16-fp32-grads", **lay), get_gpu(gpu), fw)
+    if measure == "mfu":
+        got = t.mfu
+    else:
+        l, h, s, v = shape.layers, shape.hidden, lay["seq_len"], shape.vocab
+        got = t.tokens_per_s_per_gpu * (96 * l * h * h + 16 * l * h * s + 6 * v * h)
+    assert got == pytest.approx(published, rel=0.25), (got, published)
+
+
 def test_block_switches():
     shape = get_shape("llama3-8b")
     spec = dict(act_bytes=2, tp=1)
