@@ -301,20 +301,17 @@ def test_the_time_model_without_synchronization_misses_at_scale():
     # (bytes, FLOPs and link latencies only) is 3-12x optimistic from 32 nodes up.
     from ultrascale.plan import validate as v
 
-    rows, _ = v.load_rows()
-    finished = [(r["model"], int(r["nodes"]), get_shape(r["model"].lower()), v.row_layout(r),
-                 float(r["tokens_per_s_per_gpu"])) for r in rows if r["status"] == "ok"]
+    finished = v.finished_runs(v.load_rows()[0])
     fw = dataclasses.replace(get_framework("playbook"), collective_step_s=0.0, pipeline_sync_factor=1.0,
                              node_pair_sync_s=0.0)
     f = v.throughput_figures(finished, fw, get_gpu("h100-80gb"))
     assert f["median"][32] > 2 and f["median"][64] > 8, f["median"]
 
 
-def test_cross_validation_reports_models_it_was_not_calibrated_on():
-    from ultrascale.plan import validate as v
-
-    rows, _ = v.load_rows()
-    folds = v.cross_validate(rows)
+def test_cross_validation_reports_models_it_was_not_calibrated_on(capsys):
+    code, out, err = cli(capsys, "plan", "validate", "--cross-validate", "--json")
+    assert code == 0, err
+    folds = json.loads(out)["cross_validation"]
     assert [f["calibrated_on"] for f in folds] == [["1B", "8B"], ["3B", "80B"]]
     assert [f["reported_on"] for f in folds] == [["3B", "80B"], ["1B", "8B"]]
     for f in folds:

@@ -209,10 +209,9 @@ def _layout(args, shape):
 
 def cmd_memory(args) -> int:
     from ultrascale.plan import report
+    from ultrascale.plan.layout import check_framework
     from ultrascale.plan.memory import memory_plan
     from ultrascale.plan.time import step_time
-
-    from ultrascale.plan.layout import check_framework
 
     shape = _shape(args)
     gpu, fw = _context(args)

@@ -30,6 +30,17 @@ parallel and expert all-to-all collectives sit on the critical path (their
 consumers wait for them) and are counted whole; so are ZeRO-1/2's parameter
 all-gather after the optimizer step and the pipeline's sends. The pipeline
 bubble is bubble.py's fraction of the micro-batches' time.
+
+Synchronization: what the playbook's measured runs pay beyond bytes and FLOPs
+(docs/planner.md, "The time model at scale"), three constants of the framework
+(calibration.py). Every ring step of a collective on the critical path (tensor
+parallel, expert all-to-all) costs collective_step_s: its launch and the wait for
+the group's slowest member. A pipeline stage pays pipeline_sync_factor times that
+when its framework synchronizes the host on every receive (nanotron reads the
+incoming tensor's shape on the CPU, so the CPU stops running ahead of the GPU and
+each collective after it is paid as it is launched). And every micro-batch pays
+node_pair_sync_s per pair of nodes in the job: the same for a 1B and an 80B model
+at 64 nodes, a cost of that cluster rather than of the layout.
 """
 
 from __future__ import annotations
@@ -46,17 +57,16 @@ from ultrascale.plan.states import stage_blocks, stage_params
 RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1}
 
 
-def latency_steps(n: int, kind: str = "all_reduce") -> int:
-    """Latency terms of one collective: the better of a ring (n - 1 steps) and a tree or its
-    equivalent for gathers (2·log2 n steps: NCCL's tree all-reduce, its PAT all-gather and
-    reduce-scatter)."""
+def latency_steps(n: int) -> int:
+    """Latency terms of one collective: NCCL picks the better of a ring (n - 1 steps) and a tree
+    (2·log2 n steps: up and down a binary tree)."""
     return min(n - 1, 2 * math.ceil(math.log2(n)))
 
 
 def ring_time(kind: str, nbytes: float, n: int, link) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return RING_STEPS[kind] * ((n - 1) / n * nbytes / link.bandwidth + latency_steps(n, kind) * link.latency)
+    return RING_STEPS[kind] * ((n - 1) / n * nbytes / link.bandwidth + latency_steps(n) * link.latency)
 
 
 def p2p_time(nbytes: float, link) -> float:
@@ -210,7 +220,7 @@ def _collectives(kind, nbytes, n, link, bucket_bytes) -> float:
         return 0.0
     buckets = max(1, -(-nbytes // bucket_bytes))
     return RING_STEPS[kind] * ((n - 1) / n * nbytes / link.bandwidth
-                               + buckets * latency_steps(n, kind) * link.latency)
+                               + buckets * latency_steps(n) * link.latency)
 
 
 def step_time(shape, lay, gpu, fw) -> StepTime:

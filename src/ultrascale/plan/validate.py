@@ -101,37 +101,37 @@ def spearman(a, b) -> float:
     return num / den if den else 0.0
 
 
+def finished_runs(rows: list[dict]) -> list[tuple]:
+    """(model, nodes, shape, layout, measured tokens/s/GPU) of every run that finished."""
+    return [(r["model"], int(r["nodes"]), get_shape(r["model"].lower()), row_layout(r),
+             float(r["tokens_per_s_per_gpu"])) for r in rows if r["status"] == "ok"]
+
+
 def validate(rows: list[dict], framework: str = "playbook", gpu_name: str = "h100-80gb") -> dict:
     fw, gpu = get_framework(framework), get_gpu(gpu_name)
     key = ("model", "nodes", "micro_batch", "grad_accum", "dp", "pp", "tp", "zero_stage")
     finished = {tuple(r[k] for k in key) for r in rows if r["status"] == "ok"}
     correct, errors = 0, []
-    groups = defaultdict(lambda: ([], []))
-    ratios = defaultdict(list)
     for r in rows:
-        shape, lay = get_shape(r["model"].lower()), row_layout(r)
-        peak = memory_plan(shape, lay, fw).peak
+        peak = memory_plan(get_shape(r["model"].lower()), row_layout(r), fw).peak
         fits = tuple(r[k] for k in key) in finished
         correct += (peak.total <= gpu.memory_bytes) == fits
         if r["status"] == "ok":
             measured = float(r["peak_memory_gb"]) * GIB
             errors.append(abs(peak.total - fw.context_bytes - measured) / measured)
-            g = groups[(r["model"], int(r["nodes"]))]
-            g[0].append(float(r["tokens_per_s_per_gpu"]))
-            g[1].append(step_time(shape, lay, gpu, fw).tokens_per_s_per_gpu)
-            ratios[int(r["nodes"])].append(g[1][-1] / g[0][-1])
-    rho = {f"{m} x {n} nodes": spearman(a, b) for (m, n), (a, b) in sorted(groups.items(), key=lambda kv: (
-        float(kv[0][0][:-1]), kv[0][1])) if len(a) >= 3}
+    t = throughput_figures(finished_runs(rows), fw, gpu)
+    rho = {f"{m} x {n} nodes": v for (m, n), v in sorted(t["spearman_by_group"].items(),
+                                                          key=lambda kv: (float(kv[0][0][:-1]), kv[0][1]))}
     figures = {"runs": len(rows), "finished": len(errors), "accuracy": correct / len(rows),
-               "median_memory_error": statistics.median(errors), "mean_spearman": statistics.fmean(rho.values()),
+               "median_memory_error": statistics.median(errors), "mean_spearman": t["mean_spearman"],
                "spearman_by_group": rho, "framework": framework, "gpu": gpu_name,
-               "throughput_ratio_by_nodes": {n: {"runs": len(v), "median": statistics.median(v),
-                                                 "p90": statistics.quantiles(v, n=10, method="inclusive")[-1]} for n, v in sorted(ratios.items())}}
+               "throughput_ratio_by_nodes": {n: {"runs": t["runs"][n], "median": t["median"][n], "p90": t["p90"][n]}
+                                             for n in t["median"]}}
     lo, hi, _ = RATIO_GOAL
     figures["goals_met"] = (figures["accuracy"] >= GOALS["accuracy"]
                             and figures["median_memory_error"] <= GOALS["median_memory_error"]
                             and figures["mean_spearman"] >= GOALS["mean_spearman"]
-                            and all(lo <= r["median"] <= hi for r in figures["throughput_ratio_by_nodes"].values()))
+                            and all(lo <= m <= hi for m in t["median"].values()))
     return figures
 
 
@@ -143,19 +143,20 @@ FOLDS = (("1B", "8B"), ("3B", "80B"))
 
 
 def throughput_figures(finished: list, fw, gpu) -> dict:
-    """Per node count the median and p90 of predicted / measured tokens/s/GPU, the mean Spearman over
-    (model, nodes) groups, and the mean squared log ratio; `finished` holds (model, nodes, shape,
-    layout, measured)."""
+    """Per node count the runs and the median and p90 of predicted / measured tokens/s/GPU; Spearman
+    per (model, nodes) group of three runs or more, and its mean; the mean squared log ratio.
+    `finished` as finished_runs gives it."""
     ratios, groups = defaultdict(list), defaultdict(lambda: ([], []))
     for model, nodes, shape, lay, measured in finished:
         predicted = step_time(shape, lay, gpu, fw).tokens_per_s_per_gpu
         ratios[nodes].append(predicted / measured)
         groups[(model, nodes)][0].append(measured)
         groups[(model, nodes)][1].append(predicted)
-    rhos = [spearman(a, b) for a, b in groups.values() if len(a) >= 3]
-    return {"median": {n: statistics.median(v) for n, v in sorted(ratios.items())},
+    rhos = {g: spearman(a, b) for g, (a, b) in groups.items() if len(a) >= 3}
+    return {"runs": {n: len(v) for n, v in sorted(ratios.items())},
+            "median": {n: statistics.median(v) for n, v in sorted(ratios.items())},
             "p90": {n: statistics.quantiles(v, n=10, method="inclusive")[-1] for n, v in sorted(ratios.items())},
-            "mean_spearman": statistics.fmean(rhos),
+            "spearman_by_group": rhos, "mean_spearman": statistics.fmean(rhos.values()),
             "msle": statistics.fmean(math.log(x) ** 2 for v in ratios.values() for x in v)}
 
 
@@ -169,16 +170,17 @@ def cross_validate(rows: list[dict], framework: str = "playbook", gpu_name: str 
     """For each fold: the SYNC_GRID values that fit the fold's two models best, and the figures they
     give on the two models left out."""
     fw, gpu = get_framework(framework), get_gpu(gpu_name)
-    finished = [(r["model"], int(r["nodes"]), get_shape(r["model"].lower()), row_layout(r),
-                 float(r["tokens_per_s_per_gpu"])) for r in rows if r["status"] == "ok"]
+    finished = finished_runs(rows)
     out = []
     for fold in FOLDS:
         train = [x for x in finished if x[0] in fold]
         test = [x for x in finished if x[0] not in fold]
         best = min((dict(zip(SYNC_GRID, values)) for values in itertools.product(*SYNC_GRID.values())),
                    key=lambda c: _loss(throughput_figures(train, dataclasses.replace(fw, **c), gpu)))
+        figures = throughput_figures(test, dataclasses.replace(fw, **best), gpu)
+        figures["spearman_by_group"] = {f"{m} x {n} nodes": v for (m, n), v in figures["spearman_by_group"].items()}
         out.append({"calibrated_on": list(fold), "reported_on": sorted({x[0] for x in test}, key=lambda m: float(m[:-1])),
-                    "constants": best, **throughput_figures(test, dataclasses.replace(fw, **best), gpu)})
+                    "constants": best, **figures})
     return out
 
 
