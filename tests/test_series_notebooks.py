@@ -131,8 +131,9 @@ def test_the_notebook_prints_what_its_runs_measured(runs, path):
 
 
 def test_grade_passes_the_solved_notebook_and_says_not_done_yet_on_the_starter(tmp_path, cli):
-    # The smallest notebook, graded end to end through the command line.
-    path = min(NOTEBOOK_FILES, key=os.path.getsize)
+    # A quick notebook (Part 1 runs in about 4 s; the smallest file, Part 12, in 15), graded end to end
+    # through the command line.
+    path = next(p for p in NOTEBOOK_FILES if os.path.basename(p) == "1_scaling_basics.ipynb")
     solved = tmp_path / "solved.ipynb"
     code, out = cli("notebook", "build", "--solved", path, "-o", str(solved))
     assert code == 0 and f"wrote {solved} (2 exercises solved)" in out, out
