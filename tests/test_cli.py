@@ -68,6 +68,8 @@ BAD = [
     (["--nproc", "4", "--cp", "2", "--tp", "2", "--sp", "--seq-len", "34"], "must divide by cp x tp = 4"),
     (["--nproc", "4", "--cp", "4", "--cp-attention", "ulysses", "--kv-heads", "2"], "--cp-attention ulysses"),
     (["--nproc", "2", "--cp", "2", "--cp-attention", "stripe"], "--cp-attention must be"),
+    (["--cp-attention", "zigzag"], "--cp-attention zigzag with --cp 1"),
+    (["--profile-steps", "3:4"], "--profile-steps 3:4 without --profile"),
     (["--nproc", "2", "--bucket-mb", "0"], "--bucket-mb must be positive"),
     (["--nproc", "2", "--dp-mode", "naive", "--zero", "1"], "built on bucketed data parallelism"),
     (["--nproc", "2", "--dp-mode", "ring"], "--dp-mode must be"),

@@ -202,6 +202,9 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         raise ConfigError(f"--grad-clip must be >= 0 (0 turns clipping off), got {t.grad_clip}")
     if t.profile:
         check_profile_steps(t)
+    elif t.profile_steps != TrainConfig.profile_steps:
+        raise ConfigError(f"--profile-steps {t.profile_steps} without --profile: nothing would be recorded; add "
+                          f"--profile DIR or drop --profile-steps")
     if t.fp8 and cfg.parallel.tp > 1:
         raise ConfigError(f"--fp8 with --tp {cfg.parallel.tp}: the tensor-parallel layers are not nn.Linear, so "
                           f"torchao's FP8 would not reach them; run --fp8 with --tp 1 (dp, ZeRO, pp, cp compose)")
@@ -251,6 +254,9 @@ def check_context(cfg: RunConfig, parallel: ParallelConfig) -> None:
     """What each context-parallel attention variant needs of the sequence and the heads."""
     cp, tp, s, variant = parallel.cp, parallel.tp, cfg.train.seq_len, parallel.cp_attention
     if cp == 1:
+        if variant != ParallelConfig.cp_attention:
+            raise ConfigError(f"--cp-attention {variant} with --cp 1: there is no context parallelism to run it; "
+                              f"add --cp N (N > 1) or drop --cp-attention")
         return
     if variant == "zigzag" and s % (2 * cp):
         raise ConfigError(f"--cp-attention zigzag cuts each sequence into 2 x cp = {2 * cp} equal chunks: "

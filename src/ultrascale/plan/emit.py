@@ -52,7 +52,9 @@ def run_config(shape, lay) -> dict:
     parallel = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "sp": lay.sp_on, "zero": lay.zero,
                 "pp_schedule": lay.schedule, "pp_chunks": lay.chunks,
                 "pp_first_stage_layers": lay.first_stage_layers, "pp_last_stage_layers": lay.last_stage_layers,
-                "cp_attention": lay.cp_attention, "bucket_mb": lay.bucket_mb}
+                "bucket_mb": lay.bucket_mb}
+    if lay.cp > 1:  # the attention variant means something only with context parallelism
+        parallel["cp_attention"] = lay.cp_attention
     train = {"seq_len": lay.seq_len, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
              "recompute": lay.recompute, "dtype": _dtype(lay.precision), "nproc": lay.world}
     return {"model": model, "parallel": parallel, "train": train}
