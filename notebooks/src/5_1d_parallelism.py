@@ -232,7 +232,7 @@ planner's choice as the number of GPUs grows:
 '''),
             SWEEP,
             md(r'''
-Up to 512 GPUs, doubling the GPUs halves GA and nearly halves the step time; the data-parallel
+Up to 512 GPUs, doubling the GPUs halves GA, but the step time falls by less each time; the data-parallel
 communication still hides behind each micro-batch's compute (0.000 s exposed). Throughput per GPU falls all
 the same, because every micro-batch also waits on synchronization that grows with the job: the planner's
 time model, calibrated on the playbook's measured runs, charges about 0.2 ms per pair of nodes per
