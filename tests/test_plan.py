@@ -242,6 +242,8 @@ def test_winner_is_explained_in_three_steps(capsys):
     (["plan", "memory", "--model", "llama3-8b", "--tp", "2", "--ffn-hidden", "14337"], "must divide --ffn-hidden 14337"),
     (["plan", "memory", "--model", "tiny-moe", "--framework", "ultrascale", "--dp", "2", "--ep", "2", "--zero", "3"],
      "does not gather expert weights"),
+    (["plan", "--model", "tiny-moe", "--framework", "ultrascale", "--gpus", "4", "--seq-len", "64",
+      "--global-batch-tokens", "2048", "--ep", "2", "--zero", "3"], "does not gather expert weights"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     code, out, err = cli(capsys, *args)

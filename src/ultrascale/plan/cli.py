@@ -149,6 +149,7 @@ def framework_of(args):
 def cmd_search(args) -> int:
     from ultrascale.config import ConfigError
     from ultrascale.plan import report
+    from ultrascale.plan.layout import check_framework
     from ultrascale.plan.search import batch_sequences, gpus_needed, search
 
     shape = _shape(args)
@@ -170,6 +171,7 @@ def cmd_search(args) -> int:
         raise ConfigError(f"--tp {tp} must divide the {shape.heads} query heads, the {shape.kv_heads} key/value "
                           f"heads and the MLP width {shape.ffn_hidden}: pick a tp that divides "
                           f"{math.gcd(shape.heads, shape.kv_heads, shape.ffn_hidden)}")
+    check_framework(fw, fixed.get("ep") or 1, fixed.get("zero"))  # the rule, not "nothing reaches the batch"
     result = search(shape, args.gpus, gpu, fw, args.seq_len, args.global_batch_tokens, args.precision, fixed)
     sequences = batch_sequences(args.global_batch_tokens, args.seq_len)
     if args.emit_config:
@@ -216,7 +218,7 @@ def cmd_memory(args) -> int:
     shape = _shape(args)
     gpu, fw = _context(args)
     lay = _layout(args, shape)
-    check_framework(lay, fw)
+    check_framework(fw, lay.ep, lay.zero)
     plan = memory_plan(shape, lay, fw)
     timing = step_time(shape, lay, gpu, fw)
     if args.emit_config:

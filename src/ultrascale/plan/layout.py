@@ -140,8 +140,8 @@ def check_layout(lay: Layout, shape) -> None:
         raise ConfigError(f"--zero {lay.zero} with dp = 1: there is nothing to shard across; drop --zero")
 
 
-def check_framework(lay: Layout, fw) -> None:
+def check_framework(fw, ep: int, zero: int) -> None:
     """What the planned framework cannot run, though another could."""
-    if lay.ep > 1 and lay.zero == 3 and not fw.zero3_with_ep:
+    if ep > 1 and zero == 3 and not fw.zero3_with_ep:
         raise ConfigError(f"--zero 3 with --ep under --framework {fw.name}: it does not gather expert weights "
                           f"per unit; use --zero 1 or 2 (or plan for another framework)")

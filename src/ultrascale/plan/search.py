@@ -167,7 +167,7 @@ def search(shape, gpus: int, gpu, fw, seq_len: int, global_batch_tokens: int, pr
     for lay in layouts(shape, gpus, gpu, seq_len, sequences, precision, fixed):
         try:
             check_layout(lay, shape)
-            check_framework(lay, fw)
+            check_framework(fw, lay.ep, lay.zero)
         except ConfigError:
             continue
         result.enumerated += 1
