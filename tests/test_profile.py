@@ -117,15 +117,11 @@ def test_trace_reports_every_rank_and_draws_the_timeline(profiled):
     assert (d / "timeline.png").stat().st_size > 1000
 
 
-def test_hidden_communication_naive_versus_bucketed(profiled):
-    # Measured on a 2-core machine shared with other work (load average 5-12), 2 gloo ranks,
-    # this RUN, hidden share (rank 0, rank 1) per run:
-    #   naive    (0.000, 0.000) in all 5 runs: its all-reduces start after backward
-    #   overlap  (0.101, 0.086) (0.113, 0.214) (0.085, 0.100) (0.156, 0.136) (0.399, 0.285)
-    #   bucket   (0.279, 0.369) (0.060, 0.058) (0.497, 0.116) (0.451, 0.186) (0.125, 0.199) (0.038, 0.183)
-    #   (bucket with the default 25 MB, one bucket launched as backward ends: (0.000, 0.002) (0.001, 0.002))
-    # The spread is the ranks' skew on a loaded machine: a rank waiting for the other counts
-    # that wait as communication. Hence loose thresholds: the lowest bucketed mean was 0.06.
+def test_real_runs_add_up_and_naive_hides_nothing(profiled):
+    # How much a bucketed run hides depends on the machine (2 ranks on 2 cores leave gloo no spare
+    # core: 1-50% across runs here), so its figure is a benchmark's (benchmarks/bench_trace_overlap.py),
+    # not a test's. What holds on any machine: the window adds up, and naive data parallelism, whose
+    # all-reduces start after backward, hides nothing.
     hidden = {}
     for mode, d in profiled.items():
         r = ultrascale("trace", str(d), "--json", "--no-plot")
@@ -135,11 +131,47 @@ def test_hidden_communication_naive_versus_bucketed(profiled):
         for x in ranks:
             assert x["comm_ms"] > 0 and x["compute_ms"] > 0 and x["idle_ms"] >= 0
             assert x["compute_ms"] + x["comm_ms"] - x["overlap_ms"] + x["idle_ms"] == pytest.approx(x["window_ms"])
+            assert 0 <= x["hidden_share"] <= 1
             assert x["top_ops"] and x["top_ops"][0]["self_ms"] > 0
         hidden[mode] = [x["hidden_share"] for x in ranks]
     assert max(hidden["naive"]) < 0.01, hidden
-    assert min(hidden["bucket"]) > max(hidden["naive"]), hidden
-    assert sum(hidden["bucket"]) / 2 > 0.03, hidden
+
+
+def _write_trace(path, events):
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_trace_command_reads_a_constructed_trace(tmp_path, capsys):
+    # Two ranks with known intervals (microseconds), read through the command as a user would.
+    # rank 0, bucketed: compute 10-20 and 21-50 (39); a launch 20-21, a wait 50-70 and gloo's
+    # all-reduce 21-65 on its worker thread: comm 20-70 (50), of which 21-50 is hidden (29).
+    # rank 1, naive: backward 10-50, then a blocking all-reduce 50-70 whose gloo event runs 51-69
+    # (the same time twice: counted once), optimizer 70-80: comm 20, hidden 0.
+    _write_trace(tmp_path / "rank0.trace.json.gz", [
+        _x("step", 0, 100), _x("backward", 10, 40), _x("comm:dp.bucket_all_reduce", 20, 1),
+        _x("comm:dp.wait", 50, 20), _x("gloo:all_reduce", 21, 44, tid=2), _x("aten::mm", 12, 5, cat="cpu_op")])
+    _write_trace(tmp_path / "rank1.trace.json.gz", [
+        _x("step", 0, 100), _x("backward", 10, 40), _x("comm:dp.all_reduce", 50, 20),
+        _x("gloo:all_reduce", 51, 18, tid=2), _x("optimizer", 70, 10), _x("aten::add", 72, 3, cat="cpu_op")])
+    code, out = _run(["trace", str(tmp_path), "--json", "--no-plot"], capsys)
+    assert code == 0
+    ranks = json.loads(out)["ranks"]
+    got = [(x["rank"], x["compute_ms"], x["comm_ms"], x["overlap_ms"], x["idle_ms"], x["hidden_share"]) for x in ranks]
+    assert got == [(0, pytest.approx(0.039), pytest.approx(0.050), pytest.approx(0.029), pytest.approx(0.040),
+                    pytest.approx(29 / 50)),
+                   (1, pytest.approx(0.050), pytest.approx(0.020), 0, pytest.approx(0.030), 0)]
+    code, out = _run(["trace", str(tmp_path), "--no-plot"], capsys)
+    assert code == 0
+    assert "comm hidden behind compute 58.0%" in out and "comm hidden behind compute 0.0%" in out, out
+
+
+def _run(args, capsys):
+    from ultrascale.cli import main
+
+    capsys.readouterr()
+    code = main(args)
+    return code, capsys.readouterr().out
 
 
 # -- bad input ----------------------------------------------------------------
