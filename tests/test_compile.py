@@ -51,11 +51,13 @@ def test_a_compiled_run_matches_the_eager_run(monkeypatch):
 
     real = torch.compile
 
-    def lowered(fn, **kw):
+    def lowered(fn, mode=None, dynamic=False):
         def run(*a):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return fn(*a)
-        return real(run, **kw)
+        # The wrong numerics are autocast's, whichever backend runs them: aot_eager spares
+        # the C++ builds of a third compile.
+        return real(run, backend="aot_eager", dynamic=dynamic)
 
     monkeypatch.setattr(compile_mod.torch, "compile", lowered)
     bad = compare("compile under bf16 autocast", ref, RunRecord.of(train_single(cfg)), record=False)
@@ -89,16 +91,18 @@ def test_a_compiled_moe_model_matches_under_expert_parallelism():
 
 def test_compiling_the_moe_layer_too_is_caught(monkeypatch):
     # The wrong variant of the rule above: MoE blocks compiled whole, routing included. One process
-    # is enough to see it (measured: router step-1 gradient rel L2 0.93, loss 5.9e-5).
+    # and one step are enough to see it in the first step's gradients (measured: router step-1
+    # gradient rel L2 0.76); the right variant is the test above. The error is made by capturing
+    # the routing in a graph (dynamo + AOTAutograd), not by inductor's kernels: the aot_eager
+    # backend shows the same 0.76 without the C++ builds (8 s instead of 49 on a cold cache).
     from ultrascale.parallel import compile as compile_mod
 
-    cfg = validate(dataclasses.replace(config(), model=get_preset("tiny-moe")), 1)
+    cfg = validate(dataclasses.replace(config(steps=1, grad_accum=1), model=get_preset("tiny-moe")), 1)
     ref = RunRecord.of(train_single(eager(cfg)))
-    assert_matches(compare("compile 1 process, MoE layer eager", ref, RunRecord.of(train_single(cfg))))
 
     def whole(model, mode=None):
         for block in model.layers.values():
-            block.forward = torch.compile(block.forward, mode=mode, dynamic=False)
+            block.forward = torch.compile(block.forward, backend="aot_eager", dynamic=False)
         return len(model.layers)
 
     torch._dynamo.reset()
