@@ -127,7 +127,7 @@ def test_parameter_counts_equal_the_module_and_a_hand_count():
 @pytest.mark.parametrize("overrides,msg", [
     ({"top_k": 9}, "--top-k 9 must be within 1..8"),
     ({"capacity_factor": -1.0}, "--capacity-factor must be 0"),
-    ({"router_score": "relu"}, "router_score must be softmax or sigmoid"),
+    ({"router_score": "relu"}, "--router-score must be softmax or sigmoid"),
 ])
 def test_bad_moe_shapes_are_one_line_errors(overrides, msg):
     with pytest.raises(ConfigError, match=msg):

@@ -9,6 +9,8 @@ one line and exits with status 2.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -87,7 +89,7 @@ class ParallelConfig:
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.dp_mode not in ("naive", "overlap", "bucket"):
             raise ConfigError(f"--dp-mode must be naive, overlap or bucket, got {self.dp_mode!r}")
-        if not self.bucket_mb > 0:
+        if not 0 < self.bucket_mb < math.inf:
             raise ConfigError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         if self.dp_comm_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"--dp-comm-dtype must be fp32 or bf16, got {self.dp_comm_dtype!r}")
@@ -177,8 +179,13 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
     for name in ("steps", "seq_len", "micro_batch", "grad_accum", "nproc", "log_every"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(t, name)}")
-    if not t.timeout > 0:
+    if not 0 < t.timeout < math.inf:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {t.timeout:g}")
+    for name in ("lr", "weight_decay", "grad_clip", "loss_scale_init", "beta1", "beta2", "eps", "min_lr_ratio"):
+        if not math.isfinite(getattr(t, name)):  # nan passes every comparison below; inf is no setting
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(t, name)}")
+    if t.seed < 0 or t.weight_decay < 0:
+        raise ConfigError(f"--seed and --weight-decay must be >= 0, got {t.seed} and {t.weight_decay:g}")
     if t.save_every < 0:
         raise ConfigError(f"--save-every must be 0 (off) or positive, got {t.save_every}")
     if t.seq_len > cfg.model.max_seq_len:
@@ -375,13 +382,41 @@ def load_toml(path: str) -> dict:
     for section, values in data.items():
         if section not in known or not isinstance(values, dict):
             raise ConfigError(f"--config {path}: unknown section [{section}]; use [model], [parallel], [train]")
-        names = {f.name for f in fields(known[section])}
+        types = {f.name: f.type for f in fields(known[section])}
         if section == "model":
-            names.add("preset")
-        for key in values:
-            if key not in names:
+            types["preset"] = "str"
+        for key, value in values.items():
+            if key not in types:
                 raise ConfigError(f"--config {path}: unknown key {key!r} in [{section}]")
+            check_type(f"--config {path}: [{section}] {key}", value, types[key])
     return data
+
+
+# What a TOML value of each field type may be, and how to say it. TOML has integers, floats,
+# strings and booleans apart; an integer is a fine float, and a boolean is no number (Python
+# would take True for 1).
+_ACCEPTS = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+_SAYS = {"int": "an integer, e.g. 4", "float": "a number, e.g. 0.5", "str": 'a string in quotes, e.g. "x"',
+         "bool": "true or false"}
+
+
+def _kind(value) -> str:
+    for word, kinds in (("true or false", bool), ("an integer", int), ("a number", float), ("a string", str),
+                        ("a list", list), ("a table", dict)):
+        if isinstance(value, kinds):
+            return word
+    return f"a {type(value).__name__}"
+
+
+def check_type(where: str, value, annotation: str) -> None:
+    """One line naming the key, its value and the type its field takes, before anything runs."""
+    accepts = _ACCEPTS[annotation]
+    if isinstance(value, bool) and bool not in accepts or not isinstance(value, accepts):
+        try:
+            shown = json.dumps(value)  # as TOML writes it: true, "ten", ["tiny"]
+        except TypeError:  # a TOML date or time
+            shown = str(value)
+        raise ConfigError(f"{where} = {shown} is {_kind(value)}; it takes {_SAYS[annotation]}")
 
 
 def build_config(file_values: dict, flag_values: dict) -> RunConfig:

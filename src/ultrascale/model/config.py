@@ -7,6 +7,8 @@ on a laptop.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, fields, replace
 
 
@@ -93,20 +95,24 @@ class ModelConfig:
             raise ConfigError(f"model mlp must be swiglu or gelu, got {self.mlp!r}")
         if self.experts < 0:
             raise ConfigError(f"--experts must be 0 (dense) or positive, got {self.experts}")
+        # The routing settings are checked on a dense model too: a wrong value is wrong before it is used.
+        if self.top_k < 1 or self.moe_every < 1 or self.moe_ffn_hidden < 0 or self.shared_ffn < 0:
+            raise ConfigError(f"--top-k and moe_every must be positive, --moe-ffn-hidden and shared_expert >= 0; got "
+                              f"{self.top_k}, {self.moe_every}, {self.moe_ffn_hidden} and {self.shared_ffn}")
+        if self.router_score not in ("softmax", "sigmoid"):
+            raise ConfigError(f"--router-score must be softmax or sigmoid, got {self.router_score!r}")
+        if not math.isfinite(self.capacity_factor) or self.capacity_factor < 0:
+            raise ConfigError(f"--capacity-factor must be 0 (dropless) or positive, got {self.capacity_factor}")
+        coefs = (self.aux_loss_coef, self.z_loss_coef, self.router_bias_rate)
+        if not all(math.isfinite(c) and c >= 0 for c in coefs):
+            raise ConfigError(f"--aux-loss-coef, z_loss_coef and --router-bias-rate must be finite and >= 0, "
+                              f"got {', '.join(map(str, coefs))}")
         if not self.experts:
             return
-        if not 1 <= self.top_k <= self.experts:
+        if self.top_k > self.experts:
             raise ConfigError(f"--top-k {self.top_k} must be within 1..{self.experts} (the number of experts)")
-        if self.moe_every < 1 or self.moe_ffn_hidden < 0 or self.shared_ffn < 0:
-            raise ConfigError("moe_every must be positive, moe_ffn_hidden and shared_expert >= 0")
         if self.mlp != "swiglu":
             raise ConfigError("experts are SwiGLU MLPs: use mlp = swiglu with --experts")
-        if self.router_score not in ("softmax", "sigmoid"):
-            raise ConfigError(f"router_score must be softmax or sigmoid, got {self.router_score!r}")
-        if self.capacity_factor < 0:
-            raise ConfigError(f"--capacity-factor must be 0 (dropless) or positive, got {self.capacity_factor}")
-        if min(self.aux_loss_coef, self.z_loss_coef, self.router_bias_rate) < 0:
-            raise ConfigError("aux_loss_coef, z_loss_coef and router_bias_rate must be >= 0")
 
     def to_dict(self) -> dict:
         return asdict(self)

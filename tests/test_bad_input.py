@@ -1,0 +1,185 @@
+"""Bad input, drawn rather than listed: every flag of `ultrascale train` and every key of its
+TOML file, given a value it cannot take, is refused before any work starts: exit 2, at most
+three lines, no traceback, nothing created.
+
+The flags are read from the command's own parser, so a flag added tomorrow is drawn too.
+Hypothesis draws which flags, how many at once (1-3), and the wrong values from a class of
+wrongness per flag type: text that is no number, a non-finite or negative number, a name
+that is none of the choices, a path that does not exist or cannot be written. The run
+itself is replaced by a stop that fails the case: a drawn value that is accepted shows as
+"it would have run". `ULTRASCALE_BAD_INPUT_EXAMPLES=5000 pytest tests/test_bad_input.py`
+draws more (benchmarks/fuzz_bad_input.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ultrascale.cli as cli
+import ultrascale.distributed.launch as launch
+from ultrascale.config import ModelConfig, ParallelConfig, TrainConfig
+
+EXAMPLES = int(os.environ.get("ULTRASCALE_BAD_INPUT_EXAMPLES", "150"))
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+# String flags by what their value names. A path that must exist, one the run writes, or a
+# name from a closed set; anything else must be listed here with the reason it has no wrong value.
+INPUTS = {"--config", "--data", "--tokenizer", "--resume", "--init-from"}
+OUTPUTS = {"--save", "--log-jsonl", "--pp-trace", "--profile", "--tensorboard"}
+ANY_TEXT = {
+    "--data-column": "a column of a Hugging Face dataset: any name may be one, checked when the dataset loads",
+    "--data-split": "a split of a Hugging Face dataset: likewise",
+}
+# Flags that only make sense with another one; given alone they are refused for that reason,
+# which is a refusal too: they are drawn like the others.
+
+
+def _train_actions():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [a for a in sub.choices["train"]._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+ACTIONS = _train_actions()
+VALUED = [a for a in ACTIONS if a.nargs != 0 and a.const is None]  # flags that take a value
+
+NOT_A_NUMBER = st.sampled_from(["ten", "", "1,5", "0x10", "--", "1e", "½"]) | st.text(
+    alphabet=st.characters(categories=["L", "P"]), min_size=1, max_size=6)
+NOT_AN_INT = NOT_A_NUMBER | st.sampled_from(["1.5", "2e3", "nan"])
+BAD_FLOAT = NOT_A_NUMBER | st.sampled_from(["nan", "inf", "-inf", "-1", "-0.5", "1e400"])
+BAD_INT = NOT_AN_INT | st.integers(max_value=-1).map(str)
+NOT_A_CHOICE = st.text(alphabet="abcdefghijklmnopqrstuvwxyz-_0123456789", min_size=1, max_size=12).map(
+    lambda s: "x-" + s)  # no preset, schedule, dtype or mode begins so
+
+
+def _wrong_value(action, where):
+    """A strategy of values this flag cannot take."""
+    flag = action.option_strings[0]
+    if action.type is int:
+        return BAD_INT
+    if action.type is float:
+        return BAD_FLOAT
+    if flag in INPUTS:
+        return st.sampled_from(["missing", "missing/deeper", "hf:missing"]).map(lambda p: _under(where, p))
+    if flag in OUTPUTS:  # under a regular file: no directory can be made there
+        return st.sampled_from(["a-file/x", "a-file/x/y"]).map(lambda p: _under(where, p))
+    return NOT_A_CHOICE
+
+
+def _under(where, path):
+    prefix = "hf:" if path.startswith("hf:") else ""
+    return prefix + os.path.join(where, path.removeprefix("hf:"))
+
+
+class WouldRun(Exception):
+    pass
+
+
+@pytest.fixture
+def no_runs(monkeypatch):
+    def stop(*_, **__):
+        raise WouldRun
+
+    monkeypatch.setattr(cli, "_train_here", stop)
+    monkeypatch.setattr(launch, "launch_local", stop)
+
+
+def _run(args):
+    """(exit status, stderr lines) of `ultrascale ARGS` in this process."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = cli.main(args)
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+    return code, err.getvalue().strip().splitlines()
+
+
+def _assert_refused(args, where, before):
+    try:
+        code, lines = _run(args)
+    except WouldRun:
+        pytest.fail(f"`ultrascale {' '.join(args)}`: accepted, it would have run")
+    except Exception as e:  # noqa: BLE001 - a traceback is the defect this test looks for
+        pytest.fail(f"`ultrascale {' '.join(args)}`: {type(e).__name__}: {e}")
+    assert code == 2, (args, code, lines)
+    assert 1 <= len(lines) <= 3 and not any("Traceback" in x for x in lines), (args, lines)
+    assert sorted(os.listdir(where)) == before, (args, "created", set(os.listdir(where)) - set(before))
+
+
+def test_every_string_flag_has_a_class_of_wrong_values():
+    # A new string flag must say what its wrong values are: a path in, a path out, a choice, or why none.
+    for a in VALUED:
+        flag = a.option_strings[0]
+        if a.type not in (int, float):
+            assert flag in INPUTS | OUTPUTS | set(ANY_TEXT) or a.type in (None, str), flag
+
+
+@pytest.fixture
+def where(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    return str(tmp_path)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_wrong_flag_values_are_one_line_before_any_work(data, where, no_runs):
+    drawable = [a for a in VALUED if a.option_strings[0] not in ANY_TEXT]
+    chosen = data.draw(st.lists(st.sampled_from(drawable), min_size=1, max_size=3, unique_by=id), label="flags")
+    args = ["train"]
+    for a in chosen:
+        args += [a.option_strings[0], data.draw(_wrong_value(a, where), label=a.option_strings[0])]
+    _assert_refused(args, where, sorted(os.listdir(where)))
+
+
+# -- the TOML file ----------------------------------------------------------------
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
+WRONG_TYPE = {  # TOML values of another type than the field's
+    "int": st.sampled_from(['"4"', "4.5", "true", "[4]", "{ n = 4 }", "1979-05-27"]),
+    "float": st.sampled_from(['"0.5"', "true", "[0.5]", "{ x = 1 }", "12:30:00"]),
+    "str": st.sampled_from(["4", "0.5", "true", '["x"]', "{ name = \"x\" }"]),
+    "bool": st.sampled_from(["1", "0", '"true"', "[true]", "1.0"]),
+}
+
+
+def _keys():
+    from dataclasses import fields
+
+    out = [(section, f.name, f.type) for section, cls in SECTIONS.items() for f in fields(cls)]
+    return out + [("model", "preset", "str")]
+
+
+KEYS = _keys()
+
+
+@SETTINGS
+@given(data=st.data())
+def test_wrong_toml_types_are_one_line_naming_the_key(data, where, no_runs):
+    section, key, typ = data.draw(st.sampled_from(KEYS), label="key")
+    value = data.draw(WRONG_TYPE[typ], label="value")
+    path = os.path.join(where, "run.toml")
+    with open(path, "w") as f:
+        f.write(f"[{section}]\n{key} = {value}\n")
+    before = sorted(os.listdir(where))
+    _assert_refused(["train", "--config", path], where, before)
+    code, lines = _run(["train", "--config", path])
+    assert f"[{section}] {key} = " in lines[0] and "it takes" in lines[0], lines
+
+
+def test_a_wrong_type_in_toml_is_refused_in_a_real_process(tmp_path):
+    from ultrascale.testing.cli import ultrascale
+
+    (tmp_path / "bad.toml").write_text('[train]\nsteps = "ten"\n')
+    r = ultrascale("train", "--config", str(tmp_path / "bad.toml"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (f'ultrascale: error: --config {tmp_path / "bad.toml"}: [train] steps = "ten" is a '
+                                f'string; it takes an integer, e.g. 4')
