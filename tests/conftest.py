@@ -1,7 +1,17 @@
+import getpass
 import os
+import tempfile
 
 # Several gloo processes share this machine's cores: one thread each (also for this process's reference runs).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Inductor's on-disk cache does not tell kernel sets apart: C++ it generated with the machine's
+# vector code, found again under ATEN_CPU_CAPABILITY=default, fails to compile ("'at::vec' has not
+# been declared"). One cache per kernel set, for this process and the notebooks' kernels it starts.
+if os.environ.get("ATEN_CPU_CAPABILITY"):
+    _cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
+                                                                        f"torchinductor_{getpass.getuser()}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{_cache}_{os.environ['ATEN_CPU_CAPABILITY']}"
 
 import pytest  # noqa: E402
 

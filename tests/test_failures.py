@@ -194,7 +194,7 @@ def test_the_writability_check_creates_nothing(tmp_path):
 def test_partial_checkpoints_are_cleaned_and_a_failed_save_keeps_the_last_good_one(tmp_path, monkeypatch):
     import torch
 
-    from ultrascale.config import RunConfig, TrainConfig, validate
+    from ultrascale.config import ConfigError, RunConfig, TrainConfig, validate
     from ultrascale.distributed.context import build_context
     from ultrascale.train import checkpoint
     from ultrascale.train.trainer import Trainer
@@ -215,8 +215,9 @@ def test_partial_checkpoints_are_cleaned_and_a_failed_save_keeps_the_last_good_o
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", disk_full)
-    # DCP reports a rank's failure as a CheckpointException (a BaseException) carrying the cause.
-    with pytest.raises(BaseException, match="No space left on device"):
+    # DCP reports a rank's failure as a CheckpointException carrying the cause: the save says it in one line.
+    with pytest.raises(ConfigError, match=f"--save {ck}: cannot write {ck}.tmp: No space left on device; "
+                                          f"{ck} still holds step 2"):
         trainer.save(str(ck))
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no ck.tmp
     assert checkpoint.read_meta(str(ck)) == good

@@ -220,7 +220,9 @@ def init_from_config(root, **layout):
     """The run of the fine_tuned fixture, assembled as the CLI does (the model from config.json)."""
     flags = {"train": {"init_from": f"hf:{root / 'hf'}", "data": str(root / "data.txt"), "seq_len": 32,
                        "micro_batch": 4, "steps": 2, "progress": False}, "parallel": layout}
-    return validate(build_config({}, flags), 2)
+    from ultrascale.model.hf import model_from_checkpoint
+
+    return validate(build_config({}, flags, model_from_checkpoint(flags["train"]["init_from"], {})), 2)
 
 
 @pytest.mark.equivalence

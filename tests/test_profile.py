@@ -6,6 +6,7 @@ import json
 import pytest
 
 from ultrascale.testing.cli import ultrascale
+from ultrascale import spans
 from ultrascale.train import profile
 from ultrascale.train.trace_report import hidden_share, intersect, length, merge, subtract
 
@@ -69,7 +70,7 @@ def test_profiling_off_builds_nothing():
 
     off = profile.profile_window(TrainConfig(), 0, None, 1)
     assert not isinstance(off, profile.ProfileWindow)
-    assert profile.span("forward") is profile.comm("dp.wait")  # the one shared no-op context
+    assert spans.span("forward") is spans.comm("dp.wait")  # the one shared no-op context
 
 
 # -- real runs ----------------------------------------------------------------

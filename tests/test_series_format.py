@@ -297,3 +297,38 @@ def test_check_command_bad_input_is_one_line_exit_2(tmp_path):
     r = ultrascale("notebook", "check", str(tmp_path / "9_missing.ipynb"))
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "no such file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_directory_stands_for_the_notebooks_in_it(tiny, tmp_path, cli):
+    three = copy.deepcopy(tiny)
+    _third_exercise(three)
+    d = tmp_path / "series"
+    d.mkdir()
+    good, bad = write(d, "6_averages.ipynb", tiny), write(d, "10_three.ipynb", three)
+    write(d, "6_averages.rejected.ipynb", three)  # kept by the generator with its reasons: not checked
+    (d / ".ipynb_checkpoints").mkdir()
+    write(d / ".ipynb_checkpoints", "6_averages-checkpoint.ipynb", three)  # Jupyter's copies: not its own
+    (d / "notes.txt").write_text("not a notebook")
+    r = cli("notebook", "check", str(d))
+    assert r.returncode == 1, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1] == f"{good}: ok" and all(line.startswith(f"{bad}: cell ") for line in lines[:-1]), lines
+    r = cli("notebook", "check", "--json", str(d), good)  # a directory and a file together
+    assert {v["file"] for v in json.loads(r.stdout)} == {bad}
+    # run and grade expand it the same way: here to a file that is not a notebook (no kernel starts).
+    (d / "7_broken.ipynb").write_text("{ not json")
+    for command in ("run", "grade"):
+        r = cli("notebook", command, str(d))
+        assert r.returncode == 2 and f"{d}/7_broken.ipynb is not a readable notebook" in r.stderr, r.stderr
+
+
+def test_a_directory_without_notebooks_is_one_line_exit_2(tmp_path, cli):
+    (tmp_path / "empty").mkdir()
+    r = ultrascale("notebook", "check", str(tmp_path / "empty"))  # as a user meets it: its own process
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{tmp_path / 'empty'} is a directory with no notebook (*.ipynb) in it: give notebook files" in r.stderr
+    for command in ("run", "grade"):
+        r = cli("notebook", command, str(tmp_path / "empty"))
+        assert r.returncode == 2 and "is a directory with no notebook (*.ipynb) in it" in r.stderr, r.stderr
+    r = cli("notebook", "build", "--solved", str(tmp_path), "-o", str(tmp_path / "out.ipynb"))
+    assert r.returncode == 2 and f"{tmp_path} is a directory: give one notebook file in it" in r.stderr, r.stderr

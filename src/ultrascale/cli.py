@@ -11,7 +11,7 @@ import contextlib
 import os
 import sys
 
-from ultrascale.config import ConfigError, build_config, load_toml, validate
+from ultrascale.config import ConfigError, build_config, load_toml
 
 # (flag, section, field, type, help). `bool` flags are switches; the TOML file uses the field names.
 TRAIN_FLAGS = [
@@ -138,7 +138,12 @@ def parse_train_config(args):
         layer = resume_layer(meta["config"], given)
         file_values = {s: {**layer[s], **file_values.get(s, {})} for s in flags}
         resumed = (meta, given)
-    return build_config(file_values, flags), resumed
+    model = None
+    if given["train"].get("init_from"):
+        from ultrascale.model.hf import model_from_checkpoint
+
+        model = model_from_checkpoint(given["train"]["init_from"], {**file_values.get("model", {}), **flags["model"]})
+    return build_config(file_values, flags, model), resumed
 
 
 def _precheck(cfg) -> None:
@@ -162,6 +167,14 @@ def _precheck(cfg) -> None:
         check_fp8_support("cuda" if cuda else "cpu")
     if t.data and not t.data.startswith("hf:"):
         _text_files(t.data)
+    if t.data.startswith("hf:"):
+        from ultrascale.train.data import iter_documents
+
+        next(iter_documents(t.data, t.data_column, t.data_split), None)  # the dataset, its split and column
+    if t.tokenizer not in ("", "bytes"):
+        from ultrascale.train.data import load_tokenizer
+
+        load_tokenizer(t.tokenizer)  # a missing or unreadable directory, before any worker starts
     if t.init_from:
         from ultrascale.model.hf import hf_weights, parse_init_from
 
@@ -176,6 +189,7 @@ def cmd_train(args) -> int:
     from ultrascale.distributed import failures
     from ultrascale.distributed.launch import is_worker, launch_local, launched_locally
     from ultrascale.preflight import check_output_paths
+    from ultrascale.train.startup import check_run
 
     if launched_locally():
         failures.start_worker_supervision()  # heartbeat, and die with the launcher
@@ -187,19 +201,31 @@ def cmd_train(args) -> int:
     world = int(os.environ["WORLD_SIZE"]) if is_worker() else cfg.train.nproc
     if is_worker() and cfg.train.nproc not in (1, world):
         raise ConfigError(f"--nproc {cfg.train.nproc} disagrees with WORLD_SIZE={world} set by the launcher")
-    cfg = validate(cfg, world)
+    cfg = check_run(cfg, world)
     if resumed:
         from ultrascale.train.resume import check_resume, fit_global_batch
 
         meta, given = resumed
-        cfg = validate(fit_global_batch(cfg, meta["config"], given), world)
+        cfg = check_run(fit_global_batch(cfg, meta["config"], given), world)
         check_resume(cfg.train.resume, meta, cfg)
+        _verify_once(cfg.train.resume)
     if not is_worker():
         _precheck(cfg)
         if cfg.train.nproc > 1:
             return launch_local(sys.argv[1:], cfg.train.nproc, timeout_s=cfg.train.timeout,
                                 on_failure=lambda: _clean_partial_save(cfg))
     return _train_here(cfg)
+
+
+def _verify_once(path: str) -> None:
+    """Every byte of the checkpoint against meta.json's checksums, once and before any worker
+    loads it: here in the launcher (or the one process); under torchrun on rank 0, before it
+    joins the others (they wait for it, and its exit ends the run before anything is loaded)."""
+    from ultrascale.distributed.launch import launched_locally
+    from ultrascale.train.integrity import verify
+
+    if not launched_locally() and os.environ.get("RANK", "0") == "0":
+        verify(path)
 
 
 def _clean_partial_save(cfg) -> None:

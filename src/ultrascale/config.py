@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field, fields, replace
 
 try:
@@ -26,6 +25,8 @@ __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "RunConfig", "TrainCo
 
 
 CP_ATTENTION = ("allgather", "ring", "zigzag", "ulysses")
+# The pipeline schedules parallel/pipeline/schedules.py builds, by name.
+PP_SCHEDULES = ("naive", "afab", "1f1b", "interleaved", "zero-bubble")
 
 
 @dataclass(frozen=True)
@@ -221,15 +222,8 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
     if t.fp8 and t.compile:
         raise ConfigError("--fp8 with --compile: not validated together yet; drop one of them")
 
-    from ultrascale.train.peak import check_peak
-
-    check_peak(t.peak, t.device, t.dtype)
-    if t.tensorboard:
-        check_tensorboard()
     if t.resume and t.init_from:
         check_start(t.resume, t.init_from)
-    if t.resume and not os.path.isdir(t.resume):
-        raise ConfigError(f"--resume {t.resume}: no such checkpoint directory")
     parallel = cfg.parallel.resolve(world_size)
     tp = parallel.tp
     if cfg.model.heads % tp or cfg.model.kv_heads % tp:
@@ -247,14 +241,6 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
     check_experts(cfg.model, parallel)
     check_implemented(parallel)
     return replace(cfg, parallel=parallel)
-
-
-def check_tensorboard() -> None:
-    """--tensorboard writes with torch.utils.tensorboard, which needs the tensorboard package."""
-    import importlib.util
-
-    if importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'ultrascale[tensorboard]'")
 
 
 def check_context(cfg: RunConfig, parallel: ParallelConfig) -> None:
@@ -280,9 +266,17 @@ def check_context(cfg: RunConfig, parallel: ParallelConfig) -> None:
                           f"divides {kv}, or --cp-attention ring")
 
 
-def check_profile_steps(t: TrainConfig) -> None:
-    from ultrascale.train.profile import parse_steps
+def parse_steps(text: str) -> tuple[int, int]:
+    """--profile-steps 'A:B' -> (A, B), 1-based and inclusive; 'A' alone is A:A. Raises ValueError."""
+    first, sep, last = text.partition(":")
+    a = int(first)
+    b = int(last) if sep else a
+    if a < 1 or b < a:
+        raise ValueError(text)
+    return a, b
 
+
+def check_profile_steps(t: TrainConfig) -> None:
     try:
         first, _ = parse_steps(t.profile_steps)
     except ValueError:
@@ -300,11 +294,9 @@ def check_start(resume: str, init_from: str) -> None:
 
 
 def check_pipeline(cfg: RunConfig, parallel: ParallelConfig) -> None:
-    from ultrascale.parallel.pipeline.schedules import SCHEDULES
-
     pp, v, m = parallel.pp, parallel.pp_chunks, cfg.train.grad_accum
-    if parallel.pp_schedule not in SCHEDULES:
-        raise ConfigError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {parallel.pp_schedule!r}")
+    if parallel.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {parallel.pp_schedule!r}")
     if v < 1:
         raise ConfigError(f"--pp-chunks must be positive, got {v}")
     if v > 1 and parallel.pp_schedule != "interleaved":
@@ -318,13 +310,6 @@ def check_pipeline(cfg: RunConfig, parallel: ParallelConfig) -> None:
             raise ConfigError(f"{flag} must be 0 (the even split) or positive, got {n}")
     if (first or last) and pp == 1:
         raise ConfigError("--pp-first-stage-layers / --pp-last-stage-layers need --pp > 1")
-    if first or last:
-        from ultrascale.parallel.pipeline.partition import PartitionError, split
-
-        try:
-            split(cfg.model.layers, pp, v, first, last)
-        except PartitionError as e:
-            raise ConfigError(str(e)) from None
     if pp == 1:
         return
     if parallel.pp_schedule == "interleaved" and m % pp:
@@ -419,17 +404,18 @@ def check_type(where: str, value, annotation: str) -> None:
         raise ConfigError(f"{where} = {shown} is {_kind(value)}; it takes {_SAYS[annotation]}")
 
 
-def build_config(file_values: dict, flag_values: dict) -> RunConfig:
+def build_config(file_values: dict, flag_values: dict, model: ModelConfig | None = None) -> RunConfig:
     """Merge defaults < TOML file < command-line flags into a RunConfig.
 
-    flag_values maps section -> {field: value} holding only the flags the user gave.
+    flag_values maps section -> {field: value} holding only the flags the user gave. `model`:
+    the shape read from --init-from's config.json (model.hf.model_from_checkpoint), which
+    the [model] fields given must agree with; without it the shape is the preset's.
     """
     merged = {s: {**file_values.get(s, {}), **flag_values.get(s, {})} for s in ("model", "parallel", "train")}
     model_fields = dict(merged["model"])
-    init_from = merged["train"].get("init_from", "")
-    if init_from:
-        model = model_from_checkpoint(init_from, model_fields)
-    else:
+    if model is None:
+        if merged["train"].get("init_from"):
+            raise ConfigError("--init-from: read the model with model.hf.model_from_checkpoint and pass it")
         preset = model_fields.pop("preset", "tiny")
         model = get_preset(preset, **model_fields)
     try:
@@ -438,25 +424,3 @@ def build_config(file_values: dict, flag_values: dict) -> RunConfig:
     except TypeError as e:
         raise ConfigError(f"bad configuration field: {e}") from None
     return RunConfig(model=model, parallel=parallel, train=train)
-
-
-def model_from_checkpoint(init_from: str, given: dict) -> ModelConfig:
-    """The model shape of --init-from hf:DIR: its config.json, a layer under the flags and the
-    file. A model field given there must agree with it; one that contradicts it is refused."""
-    from ultrascale.model.hf import HF_KEYS, parse_init_from, read_hf_config
-
-    if "preset" in given:
-        raise ConfigError(f"--model {given['preset']} and --init-from {init_from} both give the model: drop --model")
-    path = parse_init_from(init_from)
-    try:
-        model = read_hf_config(path)
-    except ConfigError as e:  # its messages start with the directory
-        raise ConfigError(f"--init-from hf:{e}") from None
-    for name, value in given.items():
-        if name == "name":
-            model = replace(model, name=value)
-        elif getattr(model, name) != value:
-            key = HF_KEYS.get(name, name)
-            raise ConfigError(f"--{name.replace('_', '-')} {value} contradicts --init-from {init_from}, whose "
-                              f"config.json has {key} = {getattr(model, name)}: drop the flag")
-    return model

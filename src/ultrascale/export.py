@@ -5,7 +5,8 @@
 OUT_DIR then loads with `LlamaForCausalLM.from_pretrained(OUT_DIR)`: config.json,
 model.safetensors, and the tokenizer files of the run's `--tokenizer` directory
 (a run on bytes has none to copy). Everything is checked before anything is
-written; OUT_DIR appears whole or not at all.
+written, the checkpoint's files against meta.json's sizes and checksums too;
+OUT_DIR appears whole or not at all.
 
 Importing this module costs argparse only.
 """
@@ -27,7 +28,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_export(args) -> int:
-    from ultrascale.config import ConfigError
+    from ultrascale.errors import ConfigError
     from ultrascale.model.config import ModelConfig
     from ultrascale.model.hf import check_out_dir, save_hf
     from ultrascale.train.checkpoint import read_full_state

@@ -15,7 +15,7 @@ import errno
 import os
 import tempfile
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 
 
 def _nearest_existing(path: str) -> str:

@@ -23,7 +23,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ultrascale.config import ConfigError, ParallelConfig
+from ultrascale.config import ParallelConfig
+from ultrascale.errors import ConfigError
 
 DIMS = ("dp", "pp", "cp", "tp")
 # Groups made of several dims, named by joining them: gradients are averaged over

@@ -31,8 +31,9 @@ import re
 import shutil
 import tempfile
 from collections.abc import Mapping
+from dataclasses import replace
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 from ultrascale.model.config import ModelConfig
 
 # (our name, transformers' name); {i} is the layer index.
@@ -357,3 +358,23 @@ def parse_init_from(spec: str) -> str:
         raise ConfigError(f"--init-from {spec}: give hf:DIR, a local directory written by transformers' "
                           f"save_pretrained")
     return spec[3:]
+
+
+def model_from_checkpoint(init_from: str, given: dict) -> ModelConfig:
+    """The model shape of --init-from hf:DIR: its config.json, a layer under the flags and the
+    file. A model field given there must agree with it; one that contradicts it is refused."""
+    if "preset" in given:
+        raise ConfigError(f"--model {given['preset']} and --init-from {init_from} both give the model: drop --model")
+    path = parse_init_from(init_from)
+    try:
+        model = read_hf_config(path)
+    except ConfigError as e:  # its messages start with the directory
+        raise ConfigError(f"--init-from hf:{e}") from None
+    for name, value in given.items():
+        if name == "name":
+            model = replace(model, name=value)
+        elif getattr(model, name) != value:
+            key = HF_KEYS.get(name, name)
+            raise ConfigError(f"--{name.replace('_', '-')} {value} contradicts --init-from {init_from}, whose "
+                              f"config.json has {key} = {getattr(model, name)}: drop the flag")
+    return model

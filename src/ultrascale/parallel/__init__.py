@@ -134,7 +134,7 @@ def grad_norm_reducer(ctx):
     (tensor shards, pipeline stages); None when this rank has them all."""
     import torch.distributed as dist
 
-    from ultrascale.train.profile import comm
+    from ultrascale.spans import comm
 
     groups = [ctx.group(name) for name in ("tp", "pp") if ctx.size(name) > 1]
     if not groups:

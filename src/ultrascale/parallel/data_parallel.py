@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ultrascale.parallel.buckets import LaunchOrder, make_buckets
 from ultrascale.parallel.grads import LocalGrads
-from ultrascale.train.profile import comm
+from ultrascale.spans import comm
 
 
 class _DataParallel(LocalGrads):

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.model.moe import MoE, Experts
-from ultrascale.train.profile import comm
+from ultrascale.spans import comm
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

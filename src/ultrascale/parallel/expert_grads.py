@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.parallel.grads import LocalGrads
-from ultrascale.train.profile import comm
+from ultrascale.spans import comm
 
 
 def is_expert(p) -> bool:

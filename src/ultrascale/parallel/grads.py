@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ultrascale.parallel.precision import MainParams
-from ultrascale.train.profile import comm
+from ultrascale.spans import comm
 
 
 class LocalGrads:

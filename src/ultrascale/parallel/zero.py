@@ -36,7 +36,7 @@ from torch import nn
 from ultrascale.parallel.buckets import Bucket, LaunchOrder
 from ultrascale.parallel.grads import LocalGrads
 from ultrascale.parallel.precision import DTYPES, MainParams
-from ultrascale.train.profile import comm
+from ultrascale.spans import comm
 
 # torch 2.13 renamed the flat collectives; older releases in our range have only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

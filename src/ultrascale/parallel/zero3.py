@@ -22,7 +22,7 @@ import torch
 
 from ultrascale.parallel.buckets import Bucket
 from ultrascale.parallel.zero import ZeroDataParallel, _all_gather
-from ultrascale.train.profile import comm
+from ultrascale.spans import comm
 
 
 def _units(model, params, world) -> list[Bucket]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 
 GIB = 2**30
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 from ultrascale.plan.calibration import GIB
 from ultrascale.plan.memory import TERMS
 

@@ -106,7 +106,7 @@ def add_parser(sub) -> None:
 
 
 def _shape(args):
-    from ultrascale.config import ConfigError
+    from ultrascale.errors import ConfigError
     from ultrascale.plan.shape import get_shape, known_models
 
     if not args.model:
@@ -147,7 +147,7 @@ def framework_of(args):
 
 
 def cmd_search(args) -> int:
-    from ultrascale.config import ConfigError
+    from ultrascale.errors import ConfigError
     from ultrascale.plan import report
     from ultrascale.plan.layout import check_framework
     from ultrascale.plan.search import batch_sequences, gpus_needed, search
@@ -254,7 +254,7 @@ def cmd_validate(args) -> int:
         figures = validate(rows)
         folds = cross_validate(rows) if args.cross_validate else None
     except (KeyError, ValueError) as e:
-        from ultrascale.config import ConfigError
+        from ultrascale.errors import ConfigError
 
         raise ConfigError(f"{source}: not the playbook benchmark format ({e})") from None
     if args.json:

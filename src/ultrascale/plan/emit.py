@@ -7,7 +7,7 @@ is checked by the same load_toml / validate as a hand-written one.
 
 from __future__ import annotations
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 
 # ModelShape field -> ModelConfig field, where they differ in name.
 _MODEL_FIELDS = {"vocab": "vocab_size", "hidden": "hidden", "layers": "layers", "heads": "heads",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 from ultrascale.plan.layout import Layout, check_framework, check_layout
 from ultrascale.plan.memory import MemoryPlan, memory_plan
 from ultrascale.plan.time import StepTime, step_time

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, fields, replace
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 from ultrascale.model.config import PRESETS, ModelConfig
 
 

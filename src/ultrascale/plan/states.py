@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 from ultrascale.parallel.pipeline.partition import PartitionError, holds_embedding, holds_head, rank_chunks, split
 from ultrascale.plan.activations import padded_vocab
 from ultrascale.plan.precision import Precision

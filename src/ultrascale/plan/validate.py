@@ -36,7 +36,7 @@ from collections import defaultdict
 from importlib import resources
 from pathlib import Path
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 from ultrascale.plan.calibration import GIB, get_framework
 from ultrascale.plan.hardware import get_gpu
 from ultrascale.plan.layout import Layout

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 
 
 def add_parser(sub) -> None:
@@ -20,12 +20,12 @@ def add_parser(sub) -> None:
     nsub = p.add_subparsers(dest="notebook_command", required=True, parser_class=type(p))
 
     c = nsub.add_parser("check", help="lint notebooks against the series' format")
-    c.add_argument("files", nargs="+", metavar="FILE")
+    c.add_argument("files", nargs="+", metavar="FILE", help="notebooks, or directories of them")
     c.add_argument("--json", action="store_true", help="print the violations as a JSON list")
     c.set_defaults(func=cmd_check)
 
     r = nsub.add_parser("run", help="execute notebooks top to bottom on CPU and prove their exercises")
-    r.add_argument("files", nargs="+", metavar="FILE")
+    r.add_argument("files", nargs="+", metavar="FILE", help="notebooks, or directories of them")
     r.add_argument("--timeout", type=float, default=300, help="seconds one cell may run (default 300)")
     g = r.add_mutually_exclusive_group()
     g.add_argument("--gpu", dest="gpu", action="store_const", const=True, default=None,
@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     r.set_defaults(func=cmd_run)
 
     gr = nsub.add_parser("grade", help="run a learner's completed notebook and say, per exercise, passed or what is wrong")
-    gr.add_argument("files", nargs="+", metavar="FILE")
+    gr.add_argument("files", nargs="+", metavar="FILE", help="notebooks, or directories of them")
     gr.add_argument("--timeout", type=float, default=300, help="seconds one cell may run (default 300)")
     gr.add_argument("--json", action="store_true", help="print the grades as JSON")
     gr.set_defaults(func=cmd_grade)
@@ -97,14 +97,42 @@ def _save_args(p) -> None:
 # -- check, run ---------------------------------------------------------------
 def _existing(files) -> None:
     for f in files:
+        if os.path.isdir(f):
+            raise ConfigError(f"{f} is a directory: give one notebook file in it")
         if not os.path.isfile(f):
             raise ConfigError(f"{f}: no such file")
+
+
+def _notebooks(paths) -> list[str]:
+    """The FILE arguments, a directory standing for the notebooks in it: `check notebooks/`
+    reads as "every notebook there", as a linter or a test runner reads a directory."""
+    files = [f for p in paths for f in (_in_directory(p) if os.path.isdir(p) else [p])]
+    _existing(files)
+    return files
+
+
+def _in_directory(directory: str) -> list[str]:
+    """Its own notebooks (not those of .ipynb_checkpoints/), the series' parts by number, then any
+    other by name; the generator's rejected attempts (*.rejected.ipynb, kept for their reasons) left out."""
+    from ultrascale.series.files import EPISODE_FILE
+
+    def order(path):
+        m = EPISODE_FILE.match(os.path.basename(path))
+        return (0, int(m.group(1)), path) if m else (1, 0, path)
+
+    found = [os.path.join(directory, n) for n in os.listdir(directory)
+             if n.endswith(".ipynb") and not n.endswith(".rejected.ipynb")
+             and os.path.isfile(os.path.join(directory, n))]
+    if not found:
+        raise ConfigError(f"{directory} is a directory with no notebook (*.ipynb) in it: give notebook files, "
+                          f"or the directory that holds them")
+    return sorted(found, key=order)
 
 
 def cmd_check(args) -> int:
     from ultrascale.series.lint import lint_file
 
-    _existing(args.files)
+    args.files = _notebooks(args.files)
     found = [v for f in args.files for v in lint_file(f)]
     if args.json:
         print(json.dumps([v.to_dict() for v in found], indent=1))
@@ -121,7 +149,7 @@ def cmd_check(args) -> int:
 def cmd_run(args) -> int:
     from ultrascale.series.execute import run_notebook
 
-    _existing(args.files)
+    args.files = _notebooks(args.files)
     status = 0
     for f in args.files:
         nb = _read_notebook(f)
@@ -143,7 +171,7 @@ def cmd_run(args) -> int:
 def cmd_grade(args) -> int:
     from ultrascale.series.execute import grade_notebook
 
-    _existing(args.files)
+    args.files = _notebooks(args.files)
     status, everything = 0, {}
     for f in args.files:
         nb = _read_notebook(f)

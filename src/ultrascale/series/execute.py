@@ -28,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 from ultrascale.series.build import GPU_TAG, check_function
 from ultrascale.series.outline import outline
 

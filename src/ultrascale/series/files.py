@@ -12,7 +12,7 @@ import os
 import re
 import tempfile
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 
 EPISODE_FILE = re.compile(r"^(\d+)_(.+?)\.ipynb$")
 

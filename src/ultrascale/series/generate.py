@@ -20,7 +20,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 from ultrascale.series.episode import Episode, EpisodeError
 from ultrascale.series.files import episode_files, rejected_name, write_atomic
 from ultrascale.series.progress import Progress

@@ -16,7 +16,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 
 
 def load_glossary(extra: str | None = None) -> dict[str, str]:

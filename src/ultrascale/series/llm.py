@@ -21,7 +21,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 from ultrascale.series.episode import EpisodeError
 from ultrascale.series.schema import EPISODE_SCHEMA
 

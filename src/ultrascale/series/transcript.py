@@ -25,7 +25,7 @@ import os
 import re
 from urllib.parse import parse_qs, urlparse
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 
 VIDEO_ID = re.compile(r"^[A-Za-z0-9_-]{11}$")
 TIMING = re.compile(r"^\s*(?:\d+:)?\d{1,2}:\d{2}[.,]\d{3}\s*-->\s*(?:\d+:)?\d{1,2}:\d{2}[.,]\d{3}.*$")

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ultrascale.config import ParallelConfig, RunConfig, validate
+from ultrascale.config import ParallelConfig, RunConfig
 from ultrascale.testing.harness import run_distributed, worker_context
+from ultrascale.train.startup import check_run
 
 # Filled by every comparison; the test suite prints it at the end, so the
 # tolerance reached is on record next to the pass/fail.
@@ -174,7 +175,7 @@ def train_single(cfg: RunConfig, fault: str | None = None):
     from ultrascale.testing.faults import inject
     from ultrascale.train.trainer import run_training
 
-    cfg = validate(cfg, 1)
+    cfg = check_run(cfg, 1)
     with inject(fault):
         return run_training(cfg, build_context(cfg.parallel, 0, 1), keep_first_grads=True)
 
@@ -189,7 +190,7 @@ def train_on(cfg: RunConfig, world_size: int) -> RunRecord:
 def train_parallel(cfg: RunConfig, world_size: int, timeout: float = 300, fault: str | None = None) -> list[RunRecord]:
     """Train `cfg` on world_size pooled gloo processes; a RunRecord per rank. `fault` names a
     deliberate bug from testing/faults.py to run the engine with (for tests of the tests)."""
-    cfg = validate(cfg, world_size)
+    cfg = check_run(cfg, world_size)
     return run_distributed(world_size, _train_on_worker, cfg, fault, timeout=timeout)
 
 
@@ -203,7 +204,7 @@ def compare_against_single(label: str, cfg: RunConfig, world_size: int, fault: s
     depends on the micro-batch, not on the layout); so are MoE models whose routing
     depends on the micro-batch's statistics (expert capacity, the load-balancing loss).
     """
-    cfg = validate(cfg, world_size)
+    cfg = check_run(cfg, world_size)
     m = cfg.model
     # FP8's per-tensor scales come from each micro-batch's amax: the same micro-batches too.
     same = (cfg.train.dtype != "fp32" or cfg.train.fp8

@@ -1,9 +1,10 @@
 """Checkpoints in torch.distributed.checkpoint (DCP), resumable in any layout.
 
-A checkpoint directory:
-    meta.json          step, the run's configuration, the layout it was written by
+A checkpoint directory (format 3, resume.FORMAT):
+    meta.json          step, the run's configuration, the layout it was written by, and
+                       "files": every other file below with its size and CRC-32
     .metadata          DCP's index: every tensor's full shape and where each chunk lies
-    __N_0.distcp       the chunks rank N wrote
+    __N_0.distcp       the chunks rank N wrote (empty for a rank that holds nothing to write)
 
 What is stored is layout-free: for every parameter, under its single-device
 name, the fp32 master value (`model.<name>`) and AdamW's two moments
@@ -17,20 +18,33 @@ gives one file of full tensors. Adam's step count is the training step (AdamW
 steps once per training step), kept in meta.json with the data position: the
 batches are a pure function of (seed, step).
 
+A checkpoint knows when it is damaged (train/integrity.py): every reader checks
+that each listed file is there with its size, and `ultrascale train --resume` and
+`export` check every byte against its checksum before loading anything; a
+missing, truncated or changed file is one line naming it. Format 2 (no file
+list) still loads, with a warning that it cannot be verified.
+
 Saves are atomic: every rank writes into `DIR.tmp`; when all have finished,
-rank 0 adds meta.json and renames it to `DIR`. An interrupted save leaves the
-previous checkpoint intact, and the next save (or a failed one) removes the
-partial `DIR.tmp`. Every rank must see the same directory: on several machines,
-a filesystem shared by all of them (checked when the run starts, see
-`check_shared`).
+each rank checksums its own files, and rank 0 adds meta.json and swaps it in
+(DIR -> DIR.old, DIR.tmp -> DIR, DIR.old removed). A crash anywhere in a save
+leaves the previous checkpoint whole: as `DIR` with a partial `DIR.tmp` beside
+it (ignored by readers, removed by the next run that saves, or at once by the
+launcher when a rank died), or, between the two renames, as `DIR.old` with no
+`DIR`, which the next reader renames back (resume.put_back_old). A save that
+cannot write (a full disk) removes its `DIR.tmp` and ends the run in one line,
+the previous checkpoint intact. Every rank must see the same directory: on
+several machines, a filesystem shared by all of them (checked when the run
+starts, see `check_shared`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import time
 import warnings
 
 import torch
@@ -41,8 +55,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ultrascale.config import ConfigError
-from ultrascale.train.resume import FORMAT, read_meta
+from ultrascale.errors import ConfigError
+from ultrascale.train import integrity
+from ultrascale.train.resume import FORMAT, put_back_old, read_meta
+
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
 
 
@@ -165,29 +181,130 @@ def save(path: str, trainer) -> None:
         chunks, shapes = _optimizer_chunks(trainer, writing=True)
         biases = _router_biases(trainer)
         with _quiet():
-            dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp), planner=_ChunkSavePlanner(chunks, shapes),
-                     no_dist=not ctx.is_distributed)
-        ctx.barrier()
+            dcp.save({}, storage_writer=_writer(tmp, trainer.step, ctx.rank),
+                     planner=_ChunkSavePlanner(chunks, shapes), no_dist=not ctx.is_distributed)
+        files = _describe_files(tmp, ctx)  # rank 0 waits here for every rank's part
         if ctx.rank == 0:
-            meta = {"format": FORMAT, "step": trainer.step, "world_size": ctx.world_size,
+            meta = {"format": FORMAT, "step": trainer.step, "world_size": ctx.world_size, "files": files,
                     "config": trainer.cfg.to_dict(), **({"router_bias": biases} if biases else {}),
                     **({"loss_scale": trainer.scaler.state_dict()} if trainer.scaler is not None else {})}
-            with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump(meta, f, indent=2)
-            if os.path.exists(path):
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+            _write_meta(os.path.join(tmp, "meta.json"), meta)
+            _swap_in(path, tmp, old, trainer.step)
+    except BaseException as e:
         if ctx.rank == 0:
             clean_partial(path)
+        _raise_if_unwritable(e, path)
         raise
     ctx.barrier()
 
 
+def _describe_files(tmp: str, ctx) -> dict | None:
+    """On rank 0, meta.json's {file: {bytes, crc32}} of every file DCP wrote (a rank that holds
+    nothing to write still writes its empty `__N_0.distcp`: listed too). When dcp.save returns,
+    every rank's files are complete. Each rank checksums those it wrote itself (`__RANK_*`,
+    still in its page cache) in parallel; rank 0 also the index and any other."""
+    names = sorted(n for n in os.listdir(tmp) if n != "meta.json")
+    mine = [n for n in names if _writer_rank(n, ctx.world_size) == ctx.rank]
+    described = integrity.describe(tmp, mine)
+    if not ctx.is_distributed:
+        return described
+    gathered = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(described, gathered, dst=0)
+    return {n: d for part in gathered for n, d in sorted(part.items())} if ctx.rank == 0 else None
+
+
+def _writer_rank(name: str, world: int) -> int:
+    """The rank that wrote a file of DCP's: `__N_0.distcp` is rank N's; the index rank 0's."""
+    head = name[2:].split("_", 1)[0] if name.startswith("__") else ""
+    return int(head) if head.isdigit() and int(head) < world else 0
+
+
+def _write_meta(file: str, meta: dict) -> None:
+    with open(file, "w") as f:
+        json.dump(meta, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())  # as DCP does for its files: the rename below must not publish an empty file
+
+
+def _swap_in(path: str, tmp: str, old: str, step: int) -> None:
+    """DIR.tmp becomes DIR. Between the two renames there is no DIR: a crash there leaves the
+    previous checkpoint as DIR.old, which every reader puts back (resume.put_back_old)."""
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    _fault("swap", step, 0)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _raise_if_unwritable(e: BaseException, path: str) -> None:
+    """A file the save could not write (a full disk, a quota, a read-only mount): one line naming
+    it, the previous checkpoint being intact. DCP reports each rank's failure inside a
+    CheckpointException, on every rank."""
+    causes = [e] + [failure[0] for failure in getattr(e, "failures", {}).values()]
+    err = next((c for c in causes if isinstance(c, OSError)), None)
+    if err is None:
+        return
+    where, step = err.filename or path + ".tmp", _saved_step(path)
+    then = (f"{path} still holds step {step}: free space there (or pass another --save) and continue with "
+            f"--resume {path}" if step is not None else "nothing was saved: free space there or pass another --save")
+    raise ConfigError(f"--save {path}: cannot write {where}: {err.strerror or err}; {then}") from None
+
+
+def _saved_step(path: str) -> int | None:
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return json.load(f)["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# -- the crash tests' hook -------------------------------------------------------------
+FAULT_ENV = "ULTRASCALE_SAVE_FAULT"
+
+
+def _fault(point: str, step: int, rank: int, file: str = "") -> None:
+    """For tests of what a crash or a full disk during a save leaves (tests/test_checkpoint_damage.py):
+    ULTRASCALE_SAVE_FAULT="point=P,step=S,action=A[,rank=R]" acts in the save of step S, on rank R
+    (default: every rank), at point P: "write" (a chunk file of DCP's written, its index not
+    yet) or "swap" (rank 0, between the two renames). Action "pause" prints a line and sleeps
+    until the process is killed, so a test can kill it exactly there; "enospc" raises the
+    OSError a full disk gives. Unset, the save never looks further."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    f = dict(kv.split("=", 1) for kv in spec.split(","))
+    if f["point"] != point or int(f["step"]) != step or int(f.get("rank", rank)) != rank:
+        return
+    if f["action"] == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file)
+    print(f"save paused at {point}, step {step}, rank {rank}", flush=True)
+    while True:
+        time.sleep(60)
+
+
+def _writer(tmp: str, step: int, rank: int):
+    """DCP's file writer; under ULTRASCALE_SAVE_FAULT, with the "write" point after each chunk file."""
+    writer = dcp.FileSystemWriter(tmp)
+    if os.environ.get(FAULT_ENV):
+        create = writer.fs.create_stream
+
+        @contextlib.contextmanager
+        def create_stream(file, mode):
+            with create(file, mode) as stream:
+                yield stream
+                if str(file).endswith(".distcp"):
+                    _fault("write", step, rank, str(file))
+
+        writer.fs.create_stream = create_stream
+    return writer
+
+
 def load(path: str, trainer) -> int:
-    """Fill this rank's masters and Adam moments from `path`, whatever layout wrote it; the step."""
+    """Fill this rank's masters and Adam moments from `path`, whatever layout wrote it; the step.
+
+    Every listed file is checked for its size here, on each rank (read_meta); the checksums
+    were checked once before the run started (`ultrascale train`), or call `integrity.verify`."""
     meta = read_meta(path)
     _ensure_adam_state(trainer.opt, meta["step"])
     chunks, _ = _optimizer_chunks(trainer, writing=False)
@@ -208,7 +325,7 @@ def load(path: str, trainer) -> int:
 def read_full_state(path: str) -> tuple[dict, dict]:
     """(the run's configuration, {single-device name: full fp32 tensor}) of a checkpoint, in
     this one process (for export): DCP assembles each tensor from the chunks of all ranks."""
-    meta = read_meta(path, what="checkpoint")
+    meta = integrity.verify(path, what="checkpoint")  # every byte, before DCP reads any
     index = dcp.FileSystemReader(path).read_metadata()
     full = {fqn[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
             for fqn, md in index.state_dict_metadata.items() if fqn.startswith("model.")}
@@ -244,8 +361,7 @@ def clean_partial(path: str) -> None:
     """
     path = path.rstrip("/")
     tmp, old = path + ".tmp", path + ".old"
-    if not os.path.exists(path) and os.path.isdir(old):
-        os.replace(old, path)
+    put_back_old(path)
     shutil.rmtree(tmp, ignore_errors=True)
     if os.path.isdir(path):
         shutil.rmtree(old, ignore_errors=True)

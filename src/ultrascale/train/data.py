@@ -26,7 +26,7 @@ import zlib
 
 import torch
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 
 # A cap on the tokens held in memory: plenty for the short runs this engine makes
 # on a laptop; a real pretraining corpus would be pre-tokenised and memory-mapped.

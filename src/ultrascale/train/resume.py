@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import os
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 
-FORMAT = 2  # of the checkpoint directory (train/checkpoint.py)
+FORMAT = 3  # of the checkpoint directory (train/checkpoint.py); 3: meta.json lists every file, with its checksum
+READABLE = (2, 3)  # 2 is 3 without the file list: its tensors load the same, unverified
 # TrainConfig fields that change what the continuation computes.
 SAME_TRAIN = ("seq_len", "seed", "data", "data_column", "data_split", "tokenizer", "dtype", "lr", "min_lr_ratio",
               "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "fp8",
@@ -96,16 +97,54 @@ def check_resume(path: str, meta: dict, cfg) -> None:
 
 
 def read_meta(path: str, what: str = "--resume") -> dict:
-    """A checkpoint's meta.json (step, configuration), without importing torch: the CLI reads
-    it before any process starts. `what` names the argument in messages."""
+    """A checkpoint's meta.json (step, configuration, its files), without importing torch: the
+    CLI reads it before any process starts. `what` names the argument in messages.
+
+    Every file meta.json lists must be there with its size (a stat each: the checksums are
+    `integrity.verify`'s, once per start). Format 2 (before the file list) is read as it is."""
+    from ultrascale.train.integrity import check_files
+
+    put_back_old(path)
     if not os.path.isdir(path):
         raise ConfigError(f"{what} {path}: no such checkpoint directory")
     meta_file = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_file):
-        raise ConfigError(f"{what} {path}: no meta.json, not a checkpoint written by `ultrascale train --save`")
-    with open(meta_file) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{what} {path}: no meta.json: not a checkpoint written by `ultrascale train --save`, "
+                          f"or one whose meta.json was lost (a save writes it before the directory appears): "
+                          f"use another checkpoint")
+    meta = _parse_meta(meta_file, what, path)
+    if meta.get("format") not in READABLE:
         raise ConfigError(f"{what} {path} was written in checkpoint format {meta.get('format')}, this version "
-                          f"reads format {FORMAT}: use the version that wrote it")
+                          f"reads formats {' and '.join(map(str, READABLE))}: use the version that wrote it")
+    if meta["format"] >= 3:
+        check_files(path, meta, what)
     return meta
+
+
+def _parse_meta(meta_file: str, what: str, path: str) -> dict:
+    try:
+        with open(meta_file, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} {path}: {meta_file} is not valid JSON ({str(e).splitlines()[0][:80]}): "
+                          f"the checkpoint is damaged; use another checkpoint") from None
+    if not isinstance(meta, dict) or not {"format", "step", "config"} <= meta.keys():
+        raise ConfigError(f"{what} {path}: {meta_file} does not describe a checkpoint (it needs format, step "
+                          f"and config): the checkpoint is damaged; use another checkpoint")
+    return meta
+
+
+def put_back_old(path: str) -> None:
+    """A save stopped between its two renames (DIR -> DIR.old, DIR.tmp -> DIR) leaves no DIR and
+    the previous checkpoint as DIR.old: rename it back, as the run's next save would. Safe when
+    several processes try at once (torchrun's ranks): the rename is atomic, one of them does it."""
+    path = path.rstrip("/")
+    old = path + ".old"
+    if not os.path.exists(path) and os.path.isdir(old):
+        try:
+            os.replace(old, path)
+        except FileNotFoundError:
+            pass  # another process put it back first
+        except OSError as e:
+            raise ConfigError(f"{path} is missing and {old} holds the checkpoint before a save that stopped "
+                              f"half-way, but it cannot be renamed back ({e.strerror}): rename it to {path}") from None

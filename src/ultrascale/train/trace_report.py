@@ -28,8 +28,8 @@ import os
 import re
 from collections import defaultdict
 
-from ultrascale.config import ConfigError
-from ultrascale.train.profile import COMPUTE, STEP, is_comm
+from ultrascale.errors import ConfigError
+from ultrascale.spans import COMPUTE, STEP, is_comm
 
 Intervals = list[tuple[float, float]]
 

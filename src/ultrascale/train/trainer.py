@@ -26,13 +26,14 @@ from ultrascale.distributed import failures
 from ultrascale.distributed.context import ParallelContext
 from ultrascale.model import build_model, flops_per_token
 from ultrascale.model.moe import moe_layers, step_loads, update_router_bias
+from ultrascale.spans import BACKWARD, FORWARD, OPTIMIZER, STEP, comm, span
 from ultrascale.train import checkpoint, resume
 from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
 from ultrascale.train.loss_scale import DynamicLossScaler
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, storage_bytes
 from ultrascale.train.optim import build_adamw, clip_grad_norm_, lr_at
 from ultrascale.train.peak import describe_device, run_peak
-from ultrascale.train.profile import BACKWARD, FORWARD, OPTIMIZER, STEP, comm, profile_window, span
+from ultrascale.train.profile import profile_window
 from ultrascale.train.recompute import apply_recompute
 
 
@@ -58,7 +59,7 @@ class Trainer:
         self.scaler = (DynamicLossScaler(t.loss_scale_init, t.loss_scale_window) if t.dtype == "fp16" else None)
         tokenizer = load_tokenizer(t.tokenizer)
         if tokenizer.vocab_size > cfg.model.vocab_size:
-            from ultrascale.config import ConfigError
+            from ultrascale.errors import ConfigError
 
             raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{cfg.model.vocab_size}: pass --vocab-size {tokenizer.vocab_size}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ultrascale.train.profile import comm
+from ultrascale.spans import comm
 
 COUNTS: collections.Counter = collections.Counter()
 # Newer torch names them *_single (and deprecates the old names).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ultrascale.config import ConfigError
+from ultrascale.errors import ConfigError
 
 
 def add_parser(sub) -> None:
@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("--t-b", type=float, default=1.0, help="input-gradient time of one chunk")
     p.add_argument("--t-w", type=float, default=1.0, help="weight-gradient time of one chunk")
     p.add_argument("--t-comm", type=float, default=0.0, help="time of one point-to-point message")
-    p.add_argument("--trace", help="draw a timeline recorded by `ultrascale train --pp-trace FILE` instead")
+    p.add_argument("--trace", help="draw a timeline recorded by a training run's --pp-trace FILE instead")
     p.add_argument("--actions", action="store_true", help="print every rank's action list")
     p.add_argument("--out", help="write the Gantt chart to this PNG file")
     p.set_defaults(func=cmd_pp_schedule)
@@ -28,7 +28,7 @@ def cmd_pp_schedule(args) -> int:
 
     if args.trace:
         if not os.path.isfile(args.trace):
-            raise ConfigError(f"--trace {args.trace}: no such file; write one with `ultrascale train --pp-trace FILE`")
+            raise ConfigError(f"--trace {args.trace}: no such file; write one with the train command's --pp-trace FILE")
         trace = draw.read_trace(args.trace)
         spans = [[(x["action"], x["kind"], x["start"], x["end"]) for x in rank] for rank in trace["ranks"]]
         ratio = draw.measured_bubble_ratio(spans)

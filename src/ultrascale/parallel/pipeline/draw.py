@@ -1,7 +1,7 @@
 """Draw a pipeline schedule as a Gantt chart: one row per rank, the bubbles left blank.
 
 The same picture for a simulated schedule (unit costs or the ones given) and for
-the timeline recorded on a real run (`ultrascale train ... --pp-trace FILE`).
+the timeline recorded on a real run (the train command's `--pp-trace FILE`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from ultrascale.parallel.pipeline.stage import (
     split_layers,
     virtual_stages,
 )
-from ultrascale.train.profile import BACKWARD, FORWARD, comm, span
+from ultrascale.spans import BACKWARD, FORWARD, comm, span
 
 
 class PipelineRuntime:

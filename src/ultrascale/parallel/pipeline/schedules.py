@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-SCHEDULES = ("naive", "afab", "1f1b", "interleaved", "zero-bubble")
+from ultrascale.config import PP_SCHEDULES
+
+SCHEDULES = PP_SCHEDULES  # the names the configuration accepts, each built below
 
 
 class Action(NamedTuple):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ultrascale.train.profile import comm
+from ultrascale.spans import comm
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

@@ -92,7 +92,7 @@ def largest_fitting_micro_batch(model: str, gpu_name: str, gpus: int, seq_len: i
 
 def planner_choice(model: str, gpu_name: str, tokens: int, seq_len: int, gpus: int):
     """(mbs, ga, dp) of the planner's fastest 1-D layout, or None when no layout reaches the batch."""
-    from ultrascale.config import ConfigError
+    from ultrascale.errors import ConfigError
     from ultrascale.plan.hardware import get_gpu
     from ultrascale.plan.search import search
     from ultrascale.plan.shape import get_shape
