@@ -26,11 +26,14 @@ demo: $(STAMP)
 # set (default), and the equivalence tests under avx2 where the CPU runs wider vectors by default
 # (on an AVX2-only CPU the first pass already ran avx2). A tolerance that holds for one CPU's
 # rounding only is found here, not on the next machine.
-AGAIN := $(BIN)/python -m pytest -q -p no:cacheprovider
+# Two test processes (pytest-xdist), a file each at a time: one alone keeps 1.3 of 2 cores busy, as
+# its tests wait on process starts and rendezvous; module fixtures stay in one process.
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
+AGAIN := $(PYTEST) -p no:cacheprovider
 NATIVE = $(shell $(BIN)/python -c "import torch; print(torch.backends.cpu.get_cpu_capability())")
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 	ATEN_CPU_CAPABILITY=default $(AGAIN) -m "equivalence or rounding"
 	if grep -qw avx2 /proc/cpuinfo && [ "$(NATIVE)" != "AVX2" ]; then ATEN_CPU_CAPABILITY=avx2 $(AGAIN) -m equivalence; fi
 

@@ -1,5 +1,6 @@
 import getpass
 import os
+import sys
 import tempfile
 
 # Several gloo processes share this machine's cores: one thread each (also for this process's reference runs).
@@ -16,15 +17,33 @@ if os.environ.get("ATEN_CPU_CAPABILITY"):
 import pytest  # noqa: E402
 
 
-def pytest_terminal_summary(terminalreporter):
-    from ultrascale.testing.compare import REPORT
+_REPORT: list[str] = []  # the equivalence lines of every test, gathered where the summary is written
 
-    if REPORT:
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # The lines a test added to compare.REPORT travel on its report, so that they reach the
+    # summary from a pytest-xdist worker process too.
+    outcome = yield
+    compare = sys.modules.get("ultrascale.testing.compare")
+    if compare is not None and compare.REPORT:
+        outcome.get_result().user_properties.append(("equivalence", list(compare.REPORT)))
+        compare.REPORT.clear()
+
+
+def pytest_runtest_logreport(report):
+    for key, lines in report.user_properties:
+        if key == "equivalence":
+            _REPORT.extend(lines)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _REPORT:
         import torch
 
         kernels = torch.backends.cpu.get_cpu_capability()
         terminalreporter.section(f"equivalence with the single-process run (tolerance reached, {kernels} kernels)")
-        for line in REPORT:
+        for line in _REPORT:
             terminalreporter.write_line(line)
 
 
