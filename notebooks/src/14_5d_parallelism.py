@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ultrascale.config import ParallelConfig, RunConfig, TrainConfig
 from ultrascale.distributed.context import build_context, grid_groups
 from ultrascale.plan.calibration import get_framework
-from ultrascale.plan.hardware import get_gpu
+from ultrascale.plan.hardware import get_cluster
 from ultrascale.plan.layout import Layout
 from ultrascale.plan.memory import memory_plan
 from ultrascale.plan.search import search
@@ -33,11 +33,11 @@ from ultrascale.testing.compare import train_on
 torch.set_num_threads(1)  # tiny models: one thread per process is fastest
 WORLD = 4                 # every multi-rank cell runs on 4 real processes (gloo, this CPU)
 GiB = 2**30
-H100 = get_gpu("h100-80gb")
+H100 = get_cluster("playbook")  # the playbook's H100 cluster, whose runs calibrate the planner
 PLANNER = dataclasses.replace(get_framework("playbook"), partition="even")  # as `ultrascale plan` uses it
 LLAMA_70B = get_shape("llama3-70b")
 print(f"llama3-70b: {LLAMA_70B.count() / 1e9:.1f}B parameters, {LLAMA_70B.layers} layers, {LLAMA_70B.heads} heads; "
-      f"{H100.name}: {H100.memory_gib:.1f} GiB, {H100.node_size} GPUs per node")
+      f"{H100.gpu.name}: {H100.memory_gib:.1f} GiB, {H100.node_size} GPUs per node")
 ''')
 
 GRID_8 = code(r'''

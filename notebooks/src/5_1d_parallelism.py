@@ -15,7 +15,7 @@ import torch
 
 from ultrascale.config import ConfigError
 from ultrascale.plan.calibration import get_framework
-from ultrascale.plan.hardware import get_gpu
+from ultrascale.plan.hardware import get_cluster
 from ultrascale.plan.layout import Layout
 from ultrascale.plan.memory import memory_plan
 from ultrascale.plan.search import search
@@ -24,11 +24,11 @@ from ultrascale.plan.shape import get_shape
 torch.set_num_threads(1)  # the engine runs below use a tiny model: one thread each is fastest
 
 LLAMA3_8B = get_shape("llama3-8b")
-H100 = get_gpu("h100-80gb")
+H100 = get_cluster("playbook")  # the playbook's H100 cluster, whose runs calibrate the planner
 PLAYBOOK = dataclasses.replace(get_framework("playbook"), partition="even")  # calibrated on the playbook's runs
 ONE_D = {"tp": 1, "pp": 1, "cp": 1}  # 1-D parallelism: every GPU is a data-parallel replica
 GiB = 2**30
-print(f"llama3-8b: {LLAMA3_8B.count() / 1e9:.2f}B parameters; {H100.name}: {H100.memory_bytes / GiB:.1f} GiB")
+print(f"llama3-8b: {LLAMA3_8B.count() / 1e9:.2f}B parameters; {H100.gpu.name}: {H100.memory_bytes / GiB:.1f} GiB")
 ''')
 
 EQUATION = code(r'''

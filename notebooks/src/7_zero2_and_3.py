@@ -192,18 +192,18 @@ print(f"ZeRO-3 without the kept root would be 3 psi; with it: 3 - {kept / psi:.2
 
 PLANNER = code(r'''
 from ultrascale.plan.calibration import get_framework
-from ultrascale.plan.hardware import get_gpu
+from ultrascale.plan.hardware import get_cluster
 from ultrascale.plan.layout import Layout
 from ultrascale.plan.memory import memory_plan
 from ultrascale.plan.shape import get_shape
 from ultrascale.plan.time import step_time
 
 framework = dataclasses.replace(get_framework("playbook"), partition="even")
-gpu = get_gpu("h100-80gb")
+gpu = get_cluster("playbook")  # the playbook's H100 cluster
 GiB = 2**30
 for model in ("llama3-8b", "llama3-70b"):
     shape = get_shape(model)
-    print(f"\n{model} ({shape.count() / 1e9:.1f} B), seq 4096, micro-batch 1, {gpu.name}: peak GiB per GPU "
+    print(f"\n{model} ({shape.count() / 1e9:.1f} B), seq 4096, micro-batch 1, {gpu.gpu.name}: peak GiB per GPU "
           f"[states: params+grads+optim]  (* = fits in {gpu.memory_bytes / GiB:.0f} GiB)")
     print(f"{'N':>4} " + " ".join(f"{'ZeRO-' + str(z):>22}" for z in range(4)))
     for n in (1, 8, 64, 512):

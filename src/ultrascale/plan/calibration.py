@@ -42,15 +42,17 @@ class Framework:
     # shape on the host (nanotron's metadata handshake) synchronizes the CPU with the GPU every
     # micro-batch, so the collectives of the blocks after it are paid as the CPU launches them.
     pipeline_sync_factor: float = 1.0
-    # A cost per micro-batch that grows with the square of the nodes the job spans (the pairs of nodes
-    # the network carries): what the cluster adds at scale, the same for every model (time.py).
-    node_pair_sync_s: float = 0.0
     help: str = ""
     # -- more implementation facts (activations.ActivationSpec) ----------------
     attention: str = "flash"  # flash | eager (keeps the s x s softmax)
     dropout: bool = False  # 1-byte dropout masks after attention and MLP
     fused_swiglu: bool = False  # SwiGLU keeps 3f per token, not 4f
     zero3_with_ep: bool = True  # ZeRO-3 gathers expert weights per unit too (FSDP2 + EP; our engine does not)
+    float8: bool = False  # the blocks' linears run in float8 (torchao's Float8Linear, tensorwise scaling)
+    # ZeRO-3 inside a pipeline: gather and reduce-scatter every micro-batch (True), or keep the stage's
+    # parameters gathered from the first forward to the last backward and reduce once (torchtitan
+    # under PP: no reshard after forward, gradient sync on the last micro-batch).
+    zero3_reshards_in_pipeline: bool = True
 
 
 FRAMEWORKS = {
@@ -61,7 +63,7 @@ FRAMEWORKS = {
     "playbook": Framework(
         "playbook", kernels="fused", sp_keeps_gathered_input=False, partition="compute",
         context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.0,
-        collective_step_s=20e-6, pipeline_sync_factor=8.0, node_pair_sync_s=2e-4,
+        collective_step_s=20e-6, pipeline_sync_factor=8.0,
         help="the playbook's benchmark framework (nanotron on H100), calibrated on its runs"),
     # Megatron-LM as Korthikanti et al. (2022) and Llama 3's stack describe it: fused kernels, the
     # sequence-parallel linear keeps its shard, even stages (first/last may be pinned), dropout in the
@@ -73,6 +75,14 @@ FRAMEWORKS = {
         context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.70, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
         collective_step_s=20e-6, help="Megatron-LM: fused kernels, even stages, dropout masks, fused SwiGLU",
         dropout=True, fused_swiglu=True),
+    # torchtitan as it publishes its numbers (docs/performance.md): FSDP2 + DTensor TP/SP + PP, regional
+    # torch.compile, float8 linears. Its matmul efficiency is set on one run of that table (Llama 3.1 8B,
+    # FSDP + compile on 8 GPUs, bf16) and checked on the others (plan/published.py).
+    "torchtitan": Framework(
+        "torchtitan", kernels="fused", sp_keeps_gathered_input=True, partition="even",
+        context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.43, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
+        collective_step_s=20e-6, help="torchtitan: FSDP2 + TP + PP, compiled blocks, float8 linears",
+        float8=True, zero3_reshards_in_pipeline=False),
 }
 
 

@@ -26,7 +26,7 @@ def draw_memory(plan, gpu, title: str, path: str) -> None:
         ax.bar(x, vals, bottom=bottom, label=term, color=colors[i % len(colors)], width=0.6)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.axhline(gpu.memory_gib, color="black", linestyle="--", linewidth=1)
-    ax.text(len(stages) - 0.5, gpu.memory_gib, f" {gpu.name} {gpu.memory_gib:.1f} GiB", va="bottom", ha="right")
+    ax.text(len(stages) - 0.5, gpu.memory_gib, f" {gpu.gpu.name} {gpu.memory_gib:.1f} GiB", va="bottom", ha="right")
     ax.set_xticks(x)
     ax.set_xticklabels([str(s.stage) for s in stages] if len(stages) > 1 else ["per GPU"])
     if len(stages) > 1:

@@ -50,13 +50,16 @@ def _common(p, search: bool) -> None:
         p.add_argument(flag, dest=f"shape_{dest}", type=typ, default=None, metavar="N", help=help_)
     p.add_argument("--tie-embeddings", dest="shape_tie_embeddings", action="store_const", const=True, default=None,
                    help="share the embedding and output matrices")
-    p.add_argument("--gpu", default="h100-80gb", help="GPU from the hardware table: h100-80gb, h200, a100-80gb, "
-                                                      "a100-40gb (default h100-80gb)")
+    p.add_argument("--gpu", default=None, help="GPU: h100-80gb (default), h200, a100-80gb, a100-40gb: vendor-built "
+                                               "nodes of 8 (or the GPU of --cluster)")
+    p.add_argument("--cluster", default=None, help="where the GPUs sit (hardware.py): playbook (the playbook's H100 "
+                                                   "cluster, its per-node-pair cost), grand-teton, llama3, jean-zay, "
+                                                   "or a GPU's generic nodes (default: those of --gpu)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 (default), bf16-fp32-grads, bf16-fp32-accum")
-    p.add_argument("--framework", default="playbook", help="playbook (calibrated on the playbook's H100 runs, "
-                                                           "default), megatron, or ultrascale (our engine's "
-                                                           "kernels): a bundle of the switches below")
+    p.add_argument("--framework", default=None, help="megatron (default), torchtitan, playbook (nanotron, "
+                                                     "calibrated on the playbook's runs) or ultrascale (our "
+                                                     "engine): a bundle of the switches below")
     p.add_argument("--kernels", choices=("eager", "fused"), default=None,
                    help="norms and attention layout: eager (our engine) or fused (default: the framework's)")
     p.add_argument("--attention", choices=("flash", "eager"), default=None,
@@ -65,6 +68,8 @@ def _common(p, search: bool) -> None:
                    help="dropout after attention and MLP (1-byte masks kept for backward)")
     p.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=None,
                    help="a fused SwiGLU keeps 3 f-wide tensors per token, not 4")
+    p.add_argument("--float8", action=argparse.BooleanOptionalAction, default=None,
+                   help="the blocks' linears in float8 at the GPU's FP8 peak (torchtitan's default)")
     p.add_argument("--block", choices=("llama", "gpt"), default=None,
                    help="gpt: LayerNorm, a 4h GELU MLP and biases in place of the preset's block")
     p.add_argument("--partition", choices=("even", "compute"), default=None,
@@ -87,7 +92,7 @@ def add_parser(sub) -> None:
     p.add_argument("--emit-config", metavar="PATH", help="write the best layout as a TOML file for "
                                                          "`ultrascale train --config PATH`")
     p.set_defaults(func=cmd_search)
-    plan_sub = p.add_subparsers(dest="plan_command", metavar="{memory,validate}")
+    plan_sub = p.add_subparsers(dest="plan_command", metavar="{memory,validate,published}")
     m = plan_sub.add_parser("memory", help="per-GPU memory (and step time) of one configuration")
     _common(m, search=False)
     m.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the pipeline's m)")
@@ -103,6 +108,10 @@ def add_parser(sub) -> None:
                    help="also calibrate the time model's synchronization constants on two models and report "
                         "the other two")
     v.set_defaults(func=cmd_validate)
+    pub = plan_sub.add_parser("published", help="the planner against runs published on other clusters: the "
+                                                "defaults and each run's own framework and cluster")
+    pub.add_argument("--json", action="store_true", help="print the table as JSON")
+    pub.set_defaults(func=cmd_published)
 
 
 def _shape(args):
@@ -124,11 +133,25 @@ def _shape(args):
 
 
 def _context(args):
-    from ultrascale.plan.hardware import get_gpu
+    from ultrascale.plan.hardware import get_cluster
     from ultrascale.plan.precision import get_precision
 
+    from ultrascale.errors import ConfigError
+
     get_precision(args.precision)
-    return get_gpu(args.gpu), framework_of(args)
+    cluster, fw = get_cluster(args.cluster, args.gpu), framework_of(args)
+    if fw.float8 and "fp8" not in cluster.peak_flops:
+        raise ConfigError(f"framework {fw.name} plans float8 linears, which the {cluster.gpu.name} has no FP8 tensor "
+                          f"cores for: add --no-float8")
+    return cluster, fw
+
+
+def assumptions(cluster, fw) -> str:
+    """What the figures assume, said with them: which software on which machines."""
+    from ultrascale.plan.published import DEFAULT_FRAMEWORK
+
+    return (f"framework {fw.name}{' (default)' if fw.name == DEFAULT_FRAMEWORK else ''}, cluster {cluster.name} "
+            f"({cluster.help})")
 
 
 def framework_of(args):
@@ -137,10 +160,11 @@ def framework_of(args):
     from dataclasses import replace
 
     from ultrascale.plan.calibration import get_framework
+    from ultrascale.plan.published import DEFAULT_FRAMEWORK
 
-    fw = get_framework(args.framework)
+    fw = get_framework(args.framework or DEFAULT_FRAMEWORK)
     switches = {"partition": args.partition or "even"}
-    for name in ("kernels", "attention", "dropout", "fused_swiglu"):
+    for name in ("kernels", "attention", "dropout", "fused_swiglu", "float8"):
         if getattr(args, name) is not None:
             switches[name] = getattr(args, name)
     return replace(fw, **switches)
@@ -183,14 +207,14 @@ def cmd_search(args) -> int:
     needed = None if result.ranked else gpus_needed(shape, args.gpus, gpu, fw, args.seq_len,
                                                     args.global_batch_tokens, args.precision, fixed)
     if args.json:
-        out = {"model": shape.name, "gpus": args.gpus, "gpu": gpu.name, "framework": fw.name,
+        out = {"model": shape.name, "gpus": args.gpus, "gpu": gpu.gpu.name, "cluster": gpu.name, "framework": fw.name,
                "enumerated": result.enumerated, "fitting": len(result.ranked),
                "candidates": [c.as_dict() for c in result.ranked[:args.top]],
                "smallest": result.smallest.as_dict() if result.smallest else None, "gpus_needed": needed}
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{shape.name} on {args.gpus} x {gpu.name}: {sequences} sequences x {args.seq_len} tokens per step, "
-          f"precision {args.precision}, framework {fw.name}")
+    print(f"{shape.name} on {args.gpus} x {gpu.gpu.name}: {sequences} sequences x {args.seq_len} tokens per step, "
+          f"precision {args.precision}, {assumptions(gpu, fw)}")
     if not result.ranked:
         print("\n".join(report.nothing_fits(shape, result, gpu, args.gpus, needed)))
         return 0
@@ -233,7 +257,7 @@ def cmd_memory(args) -> int:
         mem = {k: (round(v) if k not in ("in_flight_micro_batches",) else v) for k, v in plan.as_dict().items()
                if not isinstance(v, list)}
         mem["stages"] = [{k: round(v) for k, v in s.items()} for s in plan.as_dict()["stages"]]
-        out = {"model": shape.name, "param_count": shape.count(), "gpu": gpu.name,
+        out = {"model": shape.name, "param_count": shape.count(), "gpu": gpu.gpu.name, "cluster": gpu.name,
                "gpu_memory_bytes": round(gpu.memory_bytes),
                "framework": fw.name, "layout": lay.to_dict(), "memory": mem,
                "fits": plan.peak.total <= gpu.memory_bytes, "time": timing.as_dict()}
@@ -241,6 +265,7 @@ def cmd_memory(args) -> int:
         return 0
     print("\n".join(report.memory_lines(shape, lay, plan, gpu, fw)))
     print("\n".join(report.time_lines(timing)))
+    print(f"assumes {assumptions(gpu, fw)}")
     if args.chart:
         print(f"chart: {args.chart}")
     return 0
@@ -263,3 +288,20 @@ def cmd_validate(args) -> int:
         print("\n".join(report_lines(figures, source) + (cross_validation_lines(folds) if folds else [])))
     sys.stdout.flush()
     return 0 if figures["goals_met"] else 1
+
+
+def cmd_published(args) -> int:
+    from ultrascale.plan.published import DEFAULT_FRAMEWORK, TOLERANCE, table
+
+    rows = table()
+    if args.json:
+        print(json.dumps({"default_framework": DEFAULT_FRAMEWORK, "tolerance": TOLERANCE, "runs": rows}, indent=1))
+        return 0
+    print(f"published runs: predicted / published (defaults: framework {DEFAULT_FRAMEWORK}, the generic nodes of "
+          f"each run's GPU; own: the run's framework and cluster)")
+    print(f"{'run':<52}{'measure':>22}{'published':>12}{'default':>9}{'own':>7}  framework, cluster")
+    for r in rows:
+        pub = f"{r['published']:.3g}" if r["measure"] != "tflops_megatron" else f"{r['published'] / 1e12:.0f}T"
+        print(f"{r['run']:<52}{r['measure']:>22}{pub:>12}{r['default_ratio']:>9.2f}{r['own_ratio']:>7.2f}  "
+              f"{r['framework']}, {r['cluster']}")
+    return 0

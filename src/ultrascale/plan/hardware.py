@@ -1,14 +1,22 @@
-"""The hardware table: GPUs and the links between them. Edit it to plan for another cluster.
+"""The hardware table: GPUs, and the clusters they sit in. Edit it to plan for another machine.
 
-Values are vendor data sheets (dense, no sparsity) and what NCCL reaches on
-them; every time formula reads them from here:
+A GPU is the chip (vendor data sheets, dense, no sparsity); a cluster is where
+the GPUs sit: how many per node, the links inside a node and between nodes,
+and what its network costs at scale beyond bytes. Every time formula reads them
+from here:
 - memory_bytes: what the driver lets the allocator have (torch's total_memory),
   a little under the marketing size;
 - peak_flops by compute dtype ("fp32" means TF32 tensor cores, as the engine's
-  MFU counts it, train/metrics.py);
+  MFU counts it, train/metrics.py; "fp8" only where the chip has FP8 tensor cores);
 - links: bandwidth is the per-GPU unidirectional bandwidth a ring collective
-  achieves (NCCL "bus bandwidth"), latency the per-step cost alpha of a ring.
-  NVLink joins the GPUs of a node; InfiniBand (one NIC per GPU) joins nodes.
+  achieves (NCCL "bus bandwidth"), latency the per-step cost alpha of a ring;
+- node_pair_sync_s: a cost per micro-batch per pair of nodes the job spans,
+  measured on one cluster only (the playbook's: plan/time.py, "Synchronization").
+  The generic clusters carry none: a term fitted on one network is not a fact
+  about another.
+
+Which software runs on it (kernels, overheads, how a pipeline receives) is the
+framework's (calibration.py): the two are chosen apart (`--framework`, `--cluster`).
 """
 
 from __future__ import annotations
@@ -31,15 +39,40 @@ class Link:
 class GPU:
     name: str
     memory_bytes: float
-    peak_flops: dict  # {"bf16": FLOP/s, "fp32": FLOP/s}
+    peak_flops: dict  # {"bf16": FLOP/s, "fp32": FLOP/s, "fp8": FLOP/s where the chip has FP8 tensor cores}
     hbm_bandwidth: float  # bytes/s
-    intra: Link  # inside a node
-    inter: Link  # between nodes
-    node_size: int = 8
 
     @property
     def memory_gib(self) -> float:
         return self.memory_bytes / GIB
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpu: GPU
+    intra: Link  # inside a node
+    inter: Link  # between nodes
+    node_size: int = 8
+    node_pair_sync_s: float = 0.0  # per micro-batch per pair of nodes (see the module's docstring)
+    help: str = ""
+
+    # The chip's figures, read through the cluster by the memory and time models.
+    @property
+    def memory_bytes(self) -> float:
+        return self.gpu.memory_bytes
+
+    @property
+    def memory_gib(self) -> float:
+        return self.gpu.memory_gib
+
+    @property
+    def peak_flops(self) -> dict:
+        return self.gpu.peak_flops
+
+    @property
+    def hbm_bandwidth(self) -> float:
+        return self.gpu.hbm_bandwidth
 
     def link(self, crosses_nodes: bool) -> Link:
         return self.inter if crosses_nodes else self.intra
@@ -49,12 +82,46 @@ NVLINK4 = Link("NVLink 4 (NVSwitch)", 360e9, 5e-6)  # 450 GB/s per direction; ~3
 NVLINK3 = Link("NVLink 3 (NVSwitch)", 230e9, 5e-6)  # 300 GB/s per direction
 IB_NDR = Link("InfiniBand NDR 400 Gb/s per GPU", 40e9, 10e-6)  # 50 GB/s line rate
 IB_HDR = Link("InfiniBand HDR 200 Gb/s per GPU", 20e9, 10e-6)  # 25 GB/s line rate
+ROCE_400 = Link("RoCE 400 Gb/s per GPU", 40e9, 10e-6)  # Meta's RDMA fabric (Llama 3 paper, section 3.3.1)
+# Jean Zay's A100 partition (BLOOM's): 4 x 100 Gb/s Omni-Path per node of 8, 50 Gb/s per GPU.
+OMNIPATH_4X100 = Link("Omni-Path 4 x 100 Gb/s per node of 8", 5e9, 10e-6)
 
 GPUS = {
-    "h100-80gb": GPU("h100-80gb", 79.19 * GIB, {"bf16": 989.5e12, "fp32": 494.7e12}, 3.35e12, NVLINK4, IB_NDR),
-    "h200": GPU("h200", 139.8 * GIB, {"bf16": 989.5e12, "fp32": 494.7e12}, 4.8e12, NVLINK4, IB_NDR),
-    "a100-80gb": GPU("a100-80gb", 79.15 * GIB, {"bf16": 312e12, "fp32": 156e12}, 2.04e12, NVLINK3, IB_HDR),
-    "a100-40gb": GPU("a100-40gb", 39.39 * GIB, {"bf16": 312e12, "fp32": 156e12}, 1.56e12, NVLINK3, IB_HDR),
+    "h100-80gb": GPU("h100-80gb", 79.19 * GIB, {"bf16": 989.5e12, "fp32": 494.7e12, "fp8": 1979e12}, 3.35e12),
+    "h200": GPU("h200", 139.8 * GIB, {"bf16": 989.5e12, "fp32": 494.7e12, "fp8": 1979e12}, 4.8e12),
+    "a100-80gb": GPU("a100-80gb", 79.15 * GIB, {"bf16": 312e12, "fp32": 156e12}, 2.04e12),
+    "a100-40gb": GPU("a100-40gb", 39.39 * GIB, {"bf16": 312e12, "fp32": 156e12}, 1.56e12),
+    # Meta's Grand Teton H100: 96 GB of HBM2e at 2.4 TB/s, run at 500 W (torchtitan's docs/performance.md).
+    # Its dense peak is not published ("between SXM and NVL"); the SXM figure is what torchtitan divides by.
+    "h100-96gb-hbm2e": GPU("h100-96gb-hbm2e", 93.6 * GIB, {"bf16": 989.5e12, "fp32": 494.7e12, "fp8": 1979e12},
+                           2.4e12),
+}
+
+
+def _dgx(gpu: str, intra: Link, inter: Link) -> Cluster:
+    return Cluster(gpu, GPUS[gpu], intra, inter,
+                   help=f"8 x {gpu} per node, {intra.name}, {inter.name} (no cost fitted on one cluster)")
+
+
+CLUSTERS = {
+    # Generic nodes of 8 as the vendor builds them (DGX / HGX, one NIC per GPU): what --gpu picks.
+    "h100-80gb": _dgx("h100-80gb", NVLINK4, IB_NDR),
+    "h200": _dgx("h200", NVLINK4, IB_NDR),
+    "a100-80gb": _dgx("a100-80gb", NVLINK3, IB_HDR),
+    "a100-40gb": _dgx("a100-40gb", NVLINK3, IB_HDR),
+    # The playbook's H100 cluster, whose runs the time model is validated on: its links are the
+    # DGX H100's, and its jobs paid a cost per micro-batch growing with the square of the nodes
+    # (0.7-1.6 s per micro-batch at 64 nodes whatever the model), fitted there (docs/planner.md).
+    "playbook": Cluster("playbook", GPUS["h100-80gb"], NVLINK4, IB_NDR, node_pair_sync_s=2e-4,
+                        help="the playbook's H100 cluster: its per-node-pair cost, fitted on its runs"),
+    "grand-teton": Cluster("grand-teton", GPUS["h100-96gb-hbm2e"], NVLINK4, ROCE_400,
+                           help="Meta's Grand Teton with H100 96GB HBM2e at 500 W, RoCE 400 Gb/s per GPU "
+                                "(torchtitan's published runs)"),
+    "llama3": Cluster("llama3", GPUS["h100-80gb"], NVLINK4, ROCE_400,
+                      help="Llama 3's training cluster: Grand Teton with H100 80GB at 700 W, RoCE 400 Gb/s per GPU"),
+    "jean-zay": Cluster("jean-zay", GPUS["a100-80gb"], NVLINK3, OMNIPATH_4X100,
+                        help="Jean Zay's A100 partition: 8 A100 80GB per node, 4 x 100 Gb/s Omni-Path "
+                             "(BLOOM-176B's)"),
 }
 
 
@@ -62,3 +129,26 @@ def get_gpu(name: str) -> GPU:
     if name not in GPUS:
         raise ConfigError(f"unknown GPU {name!r}: choose one of {', '.join(GPUS)}")
     return GPUS[name]
+
+
+def playbook_cluster(gpu: str = "h100-80gb") -> Cluster:
+    """The playbook's cluster with another GPU in its nodes (the course asks what an H200 would change)."""
+    from dataclasses import replace
+
+    return replace(CLUSTERS["playbook"], gpu=get_gpu(gpu))
+
+
+def get_cluster(name: str | None = None, gpu: str | None = None) -> Cluster:
+    """A cluster by name; or, with only a GPU named, the generic nodes of that GPU (h100-80gb if neither)."""
+    if name is None:
+        name = gpu or "h100-80gb"
+        if name not in CLUSTERS:
+            get_gpu(name)  # the GPU exists but no generic cluster of it does
+            raise ConfigError(f"no generic cluster of {name}: name one with --cluster ({', '.join(CLUSTERS)})")
+    if name not in CLUSTERS:
+        raise ConfigError(f"unknown cluster {name!r}: choose one of {', '.join(CLUSTERS)}")
+    cluster = CLUSTERS[name]
+    if gpu is not None and gpu != cluster.gpu.name:
+        raise ConfigError(f"--gpu {gpu} but cluster {name} has {cluster.gpu.name}: drop --gpu, or pick the cluster "
+                          f"of that GPU")
+    return cluster

@@ -37,7 +37,7 @@ def memory_lines(shape, lay, plan, gpu, fw) -> list[str]:
         note = FORMULAS[term].format(flight=peak.in_flight, **shard)
         out.append(f"  {term:<13}{gib(v)}  {v:>18,.0f} B   {note}")
     verdict = "fits" if peak.total <= gpu.memory_bytes else "does NOT fit"
-    out.append(f"  {'total':<13}{gib(peak.total)}  of {gpu.memory_gib:.2f} GiB on a {gpu.name}: {verdict}")
+    out.append(f"  {'total':<13}{gib(peak.total)}  of {gpu.memory_gib:.2f} GiB on a {gpu.gpu.name}: {verdict}")
     return out
 
 
@@ -131,14 +131,14 @@ def nothing_fits(shape, result, gpu, gpus, needed) -> list[str]:
     s = result.smallest
     mem = s.memory.peak
     states = sum(mem.terms[k] for k in ("params", "grads", "optim"))
-    out = [f"Nothing fits: none of the {result.enumerated} configurations of {gpus} x {gpu.name} stays within "
+    out = [f"Nothing fits: none of the {result.enumerated} configurations of {gpus} x {gpu.gpu.name} stays within "
            f"{gpu.memory_gib:.1f} GiB per GPU.",
            f"The smallest per-GPU footprint is {mem.total / GIB:.1f} GiB ({s.layout.label()}): "
            f"{states / GIB:.1f} GiB of model states, {mem.terms['activations'] / GIB:.1f} GiB of activations, "
            f"{(mem.total - mem.terms['activations'] - states) / GIB:.1f} GiB else; it needs "
            f"{(mem.total - gpu.memory_bytes) / GIB:.1f} GiB more per GPU."]
     if needed:
-        out.append(f"More sharding needs more GPUs: the first count that fits is {needed} x {gpu.name} "
+        out.append(f"More sharding needs more GPUs: the first count that fits is {needed} x {gpu.gpu.name} "
                    f"(or a GPU with more memory).")
     else:
         out.append("No count up to 64x as many GPUs fits: shorten the sequence or pick a larger GPU.")

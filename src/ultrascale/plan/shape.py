@@ -170,15 +170,22 @@ def from_model_config(cfg: ModelConfig, **moe) -> ModelShape:
 MOE_PRESETS: dict[str, ModelShape] = {}
 
 
-# The GPT-3-style models of Korthikanti et al. 2022 (Table 3: hidden, heads, layers; seq 2048, vocab
-# 51,200 padded), for planning their published runs. The engine could build them (GPT block) but has
-# no preset for them, so they live here.
-PUBLISHED_PRESETS = {
-    name: ModelShape(name=name, vocab=51200, hidden=h, layers=layers, heads=a, kv_heads=a, ffn_hidden=4 * h,
-                     norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True)
-    for name, h, a, layers in (("gpt3-175b", 12288, 96, 96), ("megatron-530b", 20480, 128, 105),
-                               ("megatron-1t", 25600, 160, 128))
-}
+# GPT-3-style models of published runs (LayerNorm, a 4h GELU MLP, biases, tied embeddings), for
+# planning those runs (plan/published.py). The engine could build them (GPT block) but has no preset
+# for them, so they live here. Korthikanti et al. 2022, Table 3 (vocabulary 51,200 padded):
+def _gpt(name, h, heads, layers, vocab=51200):
+    return ModelShape(name=name, vocab=vocab, hidden=h, layers=layers, heads=heads, kv_heads=heads, ffn_hidden=4 * h,
+                      norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True)
+
+
+PUBLISHED_PRESETS = {name: _gpt(name, h, a, layers) for name, h, a, layers in (
+    ("gpt3-175b", 12288, 96, 96), ("megatron-530b", 20480, 128, 105), ("megatron-1t", 25600, 160, 128))}
+# Narayanan et al. 2021, Table 1: the weak-scaling GPTs from 1.7B to 1T (hidden, heads, layers).
+PUBLISHED_PRESETS.update({name: _gpt(name, h, a, layers) for name, h, a, layers in (
+    ("gpt-1.7b", 2304, 24, 24), ("gpt-3.6b", 3072, 32, 30), ("gpt-7.5b", 4096, 32, 36), ("gpt-18b", 6144, 48, 40),
+    ("gpt-39b", 8192, 64, 48), ("gpt-76b", 10240, 80, 60), ("gpt-146b", 12288, 96, 80), ("gpt-310b", 16384, 128, 96))})
+# BLOOM-176B (BigScience 2022): ALiBi (no position parameters), a 250,880-token vocabulary.
+PUBLISHED_PRESETS["bloom-176b"] = _gpt("bloom-176b", 14336, 112, 70, vocab=250880)
 
 
 def known_models() -> list[str]:

@@ -32,15 +32,18 @@ all-gather after the optimizer step and the pipeline's sends. The pipeline
 bubble is bubble.py's fraction of the micro-batches' time.
 
 Synchronization: what the playbook's measured runs pay beyond bytes and FLOPs
-(docs/planner.md, "The time model at scale"), three constants of the framework
-(calibration.py). Every ring step of a collective on the critical path (tensor
+(docs/planner.md, "The time model at scale"): two constants of the framework
+(calibration.py) and one of the cluster (hardware.py). Every ring step of a collective on the critical path (tensor
 parallel, expert all-to-all) costs collective_step_s: its launch and the wait for
 the group's slowest member. A pipeline stage pays pipeline_sync_factor times that
 when its framework synchronizes the host on every receive (nanotron reads the
 incoming tensor's shape on the CPU, so the CPU stops running ahead of the GPU and
-each collective after it is paid as it is launched). And every micro-batch pays
-node_pair_sync_s per pair of nodes in the job: the same for a 1B and an 80B model
-at 64 nodes, a cost of that cluster rather than of the layout.
+each collective after it is paid as it is launched). And on the playbook's cluster
+every micro-batch pays node_pair_sync_s per pair of nodes in the job: the same for
+a 1B and an 80B model at 64 nodes, a cost of that cluster rather than of the
+layout or the software, so it belongs to the cluster preset and no other carries it.
+
+`gpu` below is a hardware.Cluster: the chip's figures and the links between chips.
 """
 
 from __future__ import annotations
@@ -150,17 +153,28 @@ class StepTime:
                 "breakdown_s": dict(self.breakdown)}
 
 
-def _stage_flops(shape, lay, blocks, tokens) -> tuple[float, float]:
-    """(FLOPs, recompute FLOPs) of one micro-batch on one rank of a stage holding `blocks`."""
+def _stage_flops(shape, lay, blocks, tokens) -> tuple[float, float, float, float]:
+    """(FLOPs, recompute FLOPs) of one micro-batch on one rank of a stage holding `blocks`, and of each
+    the part in the blocks' linears (what a float8 framework runs on the FP8 tensor cores)."""
     n_layers, _, has_head = blocks
     h, s = shape.hidden, lay.seq_len
     block_params = (shape.active_params() - shape.vocab * shape.hidden * (1 if shape.tie_embeddings else 2)
                     - shape.norm_params()) / shape.layers
     attn = 12 * h * s * n_layers
-    flops = 6 * block_params * n_layers + attn + (6 * shape.vocab * h if has_head else 0)
+    linear = 6 * block_params * n_layers
+    flops = linear + attn + (6 * shape.vocab * h if has_head else 0)
     extra = {"none": 0.0, "selective": attn / 3, "full": 2 * block_params * n_layers + attn / 3}[lay.recompute]
+    extra_linear = {"none": 0.0, "selective": 0.0, "full": 2 * block_params * n_layers}[lay.recompute]
     div = lay.tp * lay.cp
-    return tokens * flops / div, tokens * extra / div
+    return tokens * flops / div, tokens * extra / div, tokens * linear / div, tokens * extra_linear / div
+
+
+def _matmul_s(flops, linear, peak, fw, gpu) -> float:
+    """Seconds of `flops`, of which `linear` run in float8 where the framework does (twice the dense
+    rate on FP8 tensor cores; the attention core, norms and head stay in the compute dtype)."""
+    if not fw.float8:
+        return flops / (peak * fw.mfu)
+    return (linear / gpu.peak_flops["fp8"] + (flops - linear) / peak) / fw.mfu
 
 
 def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
@@ -168,9 +182,16 @@ def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
     b = get_precision(lay.precision).act_bytes
     tokens = lay.micro_batch * lay.seq_len
     n_layers = blocks[0]
-    flops, extra = _stage_flops(shape, lay, blocks, tokens)
-    t = {"compute": flops / (peak * fw.mfu), "recompute": extra / (peak * fw.mfu),
+    flops, extra, linear, extra_linear = _stage_flops(shape, lay, blocks, tokens)
+    t = {"compute": _matmul_s(flops, linear, peak, fw, gpu), "recompute": _matmul_s(extra, extra_linear, peak, fw, gpu),
          "kernel_overhead": fw.layer_overhead_s * n_layers + fw.microbatch_overhead_s}
+    if fw.attention == "eager":
+        # Attention without a fused kernel writes the s x s scores to memory and reads them back: the
+        # softmax forward (scores in, probabilities out, read by the values' matmul) and backward (four
+        # more passes), again when the forward is recomputed. Memory-bound, at the HBM's rate.
+        passes = 8 + (4 if lay.recompute != "none" else 0)
+        scores = lay.micro_batch * shape.heads / lay.tp * lay.seq_len * lay.seq_len / lay.cp * b
+        t["compute"] += passes * scores * n_layers / gpu.hbm_bandwidth
     act_full = tokens * b * shape.hidden / lay.cp  # one full activation of a micro-batch
     tp_link = link_of(gpu, lay, "tp")
     if lay.sp_on:
@@ -206,7 +227,7 @@ def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
     steps = tp_steps + (n_layers * 4 * (lay.ep - 1) if lay.ep > 1 else 0)
     factor = fw.pipeline_sync_factor if lay.pp > 1 else 1.0
     nodes = -(-lay.world // gpu.node_size)
-    t["sync"] = steps * fw.collective_step_s * factor + fw.node_pair_sync_s * nodes**2
+    t["sync"] = steps * fw.collective_step_s * factor + gpu.node_pair_sync_s * nodes**2
     t["pp_comm"] = 0.0
     if lay.pp > 1:  # receive the input forward, the gradient backward (once per chunk, interleaved)
         pp_link = link_of(gpu, lay, "pp_next")
@@ -253,7 +274,10 @@ def step_time(shape, lay, gpu, fw) -> StepTime:
     else:
         per_mb_comm = (2 * _collectives("all_gather", psi * prec.param_bytes, n, dp_link, cap)
                        + _collectives("reduce_scatter", psi * grad_b, n, dp_link, cap))
-        dp = m * max(0.0, per_mb_comm - t["compute"] - t["recompute"])
+        if lay.pp > 1 and not fw.zero3_reshards_in_pipeline:  # gathered once, reduced once, per step
+            dp = max(0.0, per_mb_comm - t["compute"] - t["recompute"])
+        else:
+            dp = m * max(0.0, per_mb_comm - t["compute"] - t["recompute"])
     shard = psi / (n if lay.zero else 1)
     # AdamW reads and writes the fp32 master and both moments, reads the gradient, writes the parameter.
     optimizer = shard * (4 + 4 + 8 + 8 + grad_b + prec.param_bytes) / gpu.hbm_bandwidth

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ultrascale.errors import ConfigError
 from ultrascale.plan.calibration import GIB, get_framework
-from ultrascale.plan.hardware import get_gpu
+from ultrascale.plan.hardware import get_cluster
 from ultrascale.plan.layout import Layout
 from ultrascale.plan.memory import memory_plan
 from ultrascale.plan.shape import get_shape
@@ -107,8 +107,8 @@ def finished_runs(rows: list[dict]) -> list[tuple]:
              float(r["tokens_per_s_per_gpu"])) for r in rows if r["status"] == "ok"]
 
 
-def validate(rows: list[dict], framework: str = "playbook", gpu_name: str = "h100-80gb") -> dict:
-    fw, gpu = get_framework(framework), get_gpu(gpu_name)
+def validate(rows: list[dict], framework: str = "playbook", cluster: str = "playbook") -> dict:
+    fw, gpu = get_framework(framework), get_cluster(cluster)
     key = ("model", "nodes", "micro_batch", "grad_accum", "dp", "pp", "tp", "zero_stage")
     finished = {tuple(r[k] for k in key) for r in rows if r["status"] == "ok"}
     correct, errors = 0, []
@@ -124,7 +124,7 @@ def validate(rows: list[dict], framework: str = "playbook", gpu_name: str = "h10
                                                           key=lambda kv: (float(kv[0][0][:-1]), kv[0][1]))}
     figures = {"runs": len(rows), "finished": len(errors), "accuracy": correct / len(rows),
                "median_memory_error": statistics.median(errors), "mean_spearman": t["mean_spearman"],
-               "spearman_by_group": rho, "framework": framework, "gpu": gpu_name,
+               "spearman_by_group": rho, "framework": framework, "cluster": cluster,
                "throughput_ratio_by_nodes": {n: {"runs": t["runs"][n], "median": t["median"][n], "p90": t["p90"][n]}
                                              for n in t["median"]}}
     lo, hi, _ = RATIO_GOAL
@@ -135,10 +135,19 @@ def validate(rows: list[dict], framework: str = "playbook", gpu_name: str = "h10
     return figures
 
 
-# The constants the cross-validation calibrates (calibration.Framework), the values it tries, and the
-# folds: each pair of models calibrates, the other pair is reported.
+# The constants the cross-validation calibrates, the values it tries, and the folds: each pair of
+# models calibrates, the other pair is reported. Two belong to the framework (calibration.Framework),
+# one to the cluster (hardware.Cluster).
 SYNC_GRID = {"collective_step_s": (10e-6, 20e-6, 30e-6), "pipeline_sync_factor": (4.0, 8.0, 12.0),
              "node_pair_sync_s": (1e-4, 2e-4, 3e-4)}
+CLUSTER_CONSTANTS = ("node_pair_sync_s",)
+
+
+def _with(fw, cluster, constants: dict):
+    """The framework and cluster with the grid's values in place of their own."""
+    on_cluster = {k: v for k, v in constants.items() if k in CLUSTER_CONSTANTS}
+    on_fw = {k: v for k, v in constants.items() if k not in CLUSTER_CONSTANTS}
+    return dataclasses.replace(fw, **on_fw), dataclasses.replace(cluster, **on_cluster)
 FOLDS = (("1B", "8B"), ("3B", "80B"))
 
 
@@ -166,18 +175,18 @@ def _loss(f: dict) -> float:
     return sum(math.log(m) ** 2 for m in f["median"].values()) + 0.2 * f["msle"] - f["mean_spearman"]
 
 
-def cross_validate(rows: list[dict], framework: str = "playbook", gpu_name: str = "h100-80gb") -> list[dict]:
+def cross_validate(rows: list[dict], framework: str = "playbook", cluster: str = "playbook") -> list[dict]:
     """For each fold: the SYNC_GRID values that fit the fold's two models best, and the figures they
     give on the two models left out."""
-    fw, gpu = get_framework(framework), get_gpu(gpu_name)
+    fw, gpu = get_framework(framework), get_cluster(cluster)
     finished = finished_runs(rows)
     out = []
     for fold in FOLDS:
         train = [x for x in finished if x[0] in fold]
         test = [x for x in finished if x[0] not in fold]
         best = min((dict(zip(SYNC_GRID, values)) for values in itertools.product(*SYNC_GRID.values())),
-                   key=lambda c: _loss(throughput_figures(train, dataclasses.replace(fw, **c), gpu)))
-        figures = throughput_figures(test, dataclasses.replace(fw, **best), gpu)
+                   key=lambda c: _loss(throughput_figures(train, *_with(fw, gpu, c))))
+        figures = throughput_figures(test, *_with(fw, gpu, best))
         figures["spearman_by_group"] = {f"{m} x {n} nodes": v for (m, n), v in figures["spearman_by_group"].items()}
         out.append({"calibrated_on": list(fold), "reported_on": sorted({x[0] for x in test}, key=lambda m: float(m[:-1])),
                     "constants": best, **figures})
@@ -202,7 +211,7 @@ def cross_validation_lines(folds: list[dict]) -> list[str]:
 def report_lines(f: dict, source: str) -> list[str]:
     ok = lambda met: "met" if met else "MISSED"  # noqa: E731
     out = [f"playbook benchmark runs: {source}",
-           f"{f['runs']:,} runs, {f['finished']:,} finished; framework {f['framework']}, {f['gpu']}",
+           f"{f['runs']:,} runs, {f['finished']:,} finished; framework {f['framework']} on cluster {f['cluster']}",
            f"fit / no-fit accuracy:                 {100 * f['accuracy']:5.1f}%  (goal >= 90%: "
            f"{ok(f['accuracy'] >= GOALS['accuracy'])})",
            f"median |peak memory error| (finished): {100 * f['median_memory_error']:5.1f}%  (goal <= 10%: "

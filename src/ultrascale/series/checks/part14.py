@@ -234,13 +234,13 @@ def _planner():
 
 def planner_functions(model: str, gpu_name: str, gpus: int, tokens: int, seq_len: int = 4096):
     """The planner's memory per GPU and tokens/s/GPU of (dp, pp, tp), with the pinned knobs."""
-    from ultrascale.plan.hardware import get_gpu
+    from ultrascale.plan.hardware import playbook_cluster
     from ultrascale.plan.layout import Layout
     from ultrascale.plan.memory import memory_plan
     from ultrascale.plan.shape import get_shape
     from ultrascale.plan.time import step_time
 
-    shape, gpu, fw = get_shape(model), get_gpu(gpu_name), _planner()
+    shape, gpu, fw = get_shape(model), playbook_cluster(gpu_name), _planner()
     sequences = tokens // seq_len
 
     def layout(dp, pp, tp):
@@ -266,11 +266,11 @@ def planner_functions(model: str, gpu_name: str, gpus: int, tokens: int, seq_len
 
 def planner_choice(model: str, gpu_name: str, gpus: int, tokens: int, seq_len: int = 4096):
     """(dp, pp, tp) of the planner's first-ranked layout with the pinned knobs."""
-    from ultrascale.plan.hardware import get_gpu
+    from ultrascale.plan.hardware import playbook_cluster
     from ultrascale.plan.search import search
     from ultrascale.plan.shape import get_shape
 
-    found = search(get_shape(model), gpus, get_gpu(gpu_name), _planner(), seq_len, tokens, "bf16", PINNED)
+    found = search(get_shape(model), gpus, playbook_cluster(gpu_name), _planner(), seq_len, tokens, "bf16", PINNED)
     lay = found.ranked[0].layout
     return lay.dp, lay.pp, lay.tp
 

@@ -77,12 +77,12 @@ def _planner():
 def largest_fitting_micro_batch(model: str, gpu_name: str, gpus: int, seq_len: int) -> int:
     """The largest micro-batch whose peak memory fits the GPU, by the planner's memory model
     (data parallelism over `gpus` GPUs with ZeRO-3, no recomputation)."""
-    from ultrascale.plan.hardware import get_gpu
+    from ultrascale.plan.hardware import playbook_cluster
     from ultrascale.plan.layout import Layout
     from ultrascale.plan.memory import memory_plan
     from ultrascale.plan.shape import get_shape
 
-    shape, gpu, fw = get_shape(model), get_gpu(gpu_name), _planner()
+    shape, gpu, fw = get_shape(model), playbook_cluster(gpu_name), _planner()
     m = 0
     while memory_plan(shape, Layout(dp=gpus, zero=3, micro_batch=m + 1, seq_len=seq_len), fw).peak.total \
             <= gpu.memory_bytes:
@@ -93,12 +93,13 @@ def largest_fitting_micro_batch(model: str, gpu_name: str, gpus: int, seq_len: i
 def planner_choice(model: str, gpu_name: str, tokens: int, seq_len: int, gpus: int):
     """(mbs, ga, dp) of the planner's fastest 1-D layout, or None when no layout reaches the batch."""
     from ultrascale.errors import ConfigError
-    from ultrascale.plan.hardware import get_gpu
+    from ultrascale.plan.hardware import playbook_cluster
     from ultrascale.plan.search import search
     from ultrascale.plan.shape import get_shape
 
     try:
-        found = search(get_shape(model), gpus, get_gpu(gpu_name), _planner(), seq_len, tokens, "bf16", PINNED)
+        found = search(get_shape(model), gpus, playbook_cluster(gpu_name), _planner(), seq_len, tokens,
+                       "bf16", PINNED)
     except ConfigError:
         return None
     if not found.ranked:
