@@ -1,6 +1,7 @@
 """Bad input, drawn rather than listed: every flag of `ultrascale train` and every key of its
 TOML file, given a value it cannot take, is refused before any work starts: exit 2, at most
-three lines, no traceback, nothing created.
+three lines, no traceback, nothing created. So is every number and every named mode of the
+other commands (`plan`, `plan memory`, `pp-schedule`, `peak`, `notebook run`, `notebook grade`).
 
 The flags are read from the command's own parser, so a flag added tomorrow is drawn too.
 Hypothesis draws which flags, how many at once (1-3), and the wrong values from a class of
@@ -183,3 +184,70 @@ def test_a_wrong_type_in_toml_is_refused_in_a_real_process(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip() == (f'ultrascale: error: --config {tmp_path / "bad.toml"}: [train] steps = "ten" is a '
                                 f'string; it takes an integer, e.g. 4')
+
+
+# -- the other commands -----------------------------------------------------------
+# Each command with a valid command line of its own, so that the drawn flag is the only thing wrong,
+# and the work it would start replaced by a stop (a drawn value that is accepted shows as "it would
+# have run"). The flags drawn: every flag that takes a number, and the ones that name a preset or a
+# mode; paths in and out are the train test's (the same checks, preflight.py).
+NAMES = {"--model", "--gpu", "--cluster", "--framework", "--schedule", "--precision", "--dtype", "--device",
+         "--recompute", "--cp-attention", "--kernels", "--attention", "--block", "--partition"}
+COMMANDS = {  # command -> the valid rest of its command line ("NB": a notebook of the series)
+    ("pp-schedule",): [],
+    ("plan",): ["--model", "llama3-8b", "--gpus", "8"],
+    ("plan", "memory"): ["--model", "llama3-8b"],
+    ("peak",): [],
+    ("notebook", "run"): ["NB"],
+    ("notebook", "grade"): ["NB"],
+}
+
+
+def _command_actions():
+    parser, out = cli.build_parser(), []
+    for path in COMMANDS:
+        p = parser
+        for name in path:
+            p = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        out += [(path, a) for a in p._actions if a.option_strings and a.nargs != 0 and a.const is None
+                and not isinstance(a, argparse._HelpAction)
+                and (a.type in (int, float) or a.choices or a.option_strings[0] in NAMES)]
+    return out
+
+
+COMMAND_ACTIONS = _command_actions()
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    import ultrascale.series.execute as execute
+    import ultrascale.train.peak as peak
+
+    def stop(*_, **__):
+        raise WouldRun
+
+    for module, name in ((execute, "run_notebook"), (execute, "grade_notebook"), (peak, "measure")):
+        monkeypatch.setattr(module, name, stop)
+
+
+def test_the_other_commands_have_flags_to_draw():
+    drawn = {(path, a.option_strings[0]) for path, a in COMMAND_ACTIONS}
+    assert {(("pp-schedule",), "--t-comm"), (("plan",), "--cluster"), (("plan", "memory"), "--zero"),
+            (("peak",), "--size"), (("notebook", "run"), "--timeout")} <= drawn
+
+
+@SETTINGS
+@given(data=st.data())
+def test_wrong_values_of_the_other_commands_are_one_line_before_any_work(data, where, no_work):
+    path, action = data.draw(st.sampled_from(COMMAND_ACTIONS), label="flag")
+    flag = action.option_strings[0]
+    if action.type is int:
+        value = data.draw(BAD_INT, label=flag)
+    elif action.type is float:
+        value = data.draw(BAD_FLOAT, label=flag)
+    else:
+        value = data.draw(NOT_A_CHOICE, label=flag)
+    notebook = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks",
+                            "1_scaling_basics.ipynb")
+    rest = [notebook if x == "NB" else x for x in COMMANDS[path]]
+    _assert_refused([*path, *rest, flag, value], where, sorted(os.listdir(where)))

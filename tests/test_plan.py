@@ -241,6 +241,8 @@ def test_winner_is_explained_in_three_steps(capsys):
     (["plan", "memory", "--model", "llama3-8b", "--gpu", "v100"], "a100-40gb"),
     (["plan", "memory", "--model", "llama3-8b", "--hidden", "-1"], "--hidden must be a positive"),
     (["plan", "memory", "--model", "llama3-8b", "--tp", "2", "--ffn-hidden", "14337"], "must divide --ffn-hidden 14337"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--recompute", "some"], "--recompute must be one of none"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--schedule", "gpipe"], "--schedule must be one of afab"),
     (["plan", "memory", "--model", "tiny-moe", "--framework", "ultrascale", "--dp", "2", "--ep", "2", "--zero", "3"],
      "does not gather expert weights"),
     (["plan", "--model", "tiny-moe", "--framework", "ultrascale", "--gpus", "4", "--seq-len", "64",

@@ -189,6 +189,13 @@ def cmd_search(args) -> int:
     for k, v in fixed.items():
         if isinstance(v, int) and not isinstance(v, bool) and v < (0 if k in may_be_zero else 1):
             raise ConfigError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
+    from ultrascale.config import CP_ATTENTION
+    from ultrascale.plan.bubble import SCHEDULES
+    from ultrascale.plan.layout import RECOMPUTE
+
+    for name, allowed in (("recompute", RECOMPUTE), ("schedule", SCHEDULES), ("cp_attention", CP_ATTENTION)):
+        if name in fixed and fixed[name] not in allowed:  # the rule, not "no layout reaches the batch"
+            raise ConfigError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {fixed[name]!r}")
     tp = fixed.get("tp")
     if tp and (shape.heads % tp or shape.kv_heads % tp or shape.ffn_hidden % tp):
         # Name the rule, not "nothing reaches the batch": no layout with this tp exists at all.

@@ -23,9 +23,23 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_pp_schedule)
 
 
+def _check_times(args) -> None:
+    """Times the simulator can take: forward and backward last some time, the others may be zero."""
+    import math
+
+    for flag, value, least in (("--t-f", args.t_f, "positive"), ("--t-b", args.t_b, "positive"),
+                               ("--t-w", args.t_w, "zero or more"), ("--t-comm", args.t_comm, "zero or more")):
+        if not math.isfinite(value) or value < 0 or (value == 0 and least == "positive"):
+            raise ConfigError(f"{flag} must be a finite number, {least}; got {value:g}")
+
+
 def cmd_pp_schedule(args) -> int:
     from ultrascale.parallel.pipeline import draw
+    from ultrascale.preflight import check_writable_file
 
+    _check_times(args)
+    if args.out:
+        check_writable_file("--out", args.out)  # before the simulation, not after it
     if args.trace:
         if not os.path.isfile(args.trace):
             raise ConfigError(f"--trace {args.trace}: no such file; write one with the train command's --pp-trace FILE")
