@@ -26,10 +26,10 @@ demo: $(STAMP)
 # set (default), and the equivalence tests under avx2 where the CPU runs wider vectors by default
 # (on an AVX2-only CPU the first pass already ran avx2). A tolerance that holds for one CPU's
 # rounding only is found here, not on the next machine.
-# Two test processes (pytest-xdist): one alone keeps 1.3 of 2 cores busy, as its tests wait on
-# process starts and rendezvous. Work goes out by group (tests/conftest.py): a module each, so its
-# fixtures stay in one process, and a notebook each, the notebooks first.
-PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
+# Two test processes (pytest-xdist), a file each at a time: one alone keeps 1.3 of 2 cores busy, as
+# its tests wait on process starts and rendezvous; module fixtures stay in one process. (Spreading the
+# notebooks over both processes was slower: two notebooks' ranks at once oversubscribe the cores.)
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
 AGAIN := $(PYTEST) -p no:cacheprovider
 NATIVE = $(shell $(BIN)/python -c "import torch; print(torch.backends.cpu.get_cpu_capability())")
 

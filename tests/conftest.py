@@ -17,20 +17,6 @@ if os.environ.get("ATEN_CPU_CAPABILITY"):
 import pytest  # noqa: E402
 
 
-def pytest_collection_modifyitems(config, items):
-    # `make test` runs two test processes (pytest-xdist, --dist loadgroup): a module's tests stay
-    # together, as they share its fixtures, except the notebooks, one group each, so that both
-    # processes run them. They go first: the longest work first leaves no long tail on one process.
-    def group(item):
-        name = item.module.__name__
-        path = getattr(item, "callspec", None) and item.callspec.params.get("path")
-        return f"{name}::{os.path.basename(path)}" if name == "test_series_notebooks" and path else name
-
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=lambda item: "::" not in group(item))  # stable: the notebooks first, else as collected
-
-
 _REPORT: list[str] = []  # the equivalence lines of every test, gathered where the summary is written
 
 

@@ -535,3 +535,35 @@ def test_search_for_our_engine_never_proposes_what_it_refuses():
         found = search(shape, 4, get_cluster(gpu="h100-80gb"), get_framework(name), 64, 32 * 64, with_time=False)
         assert any(c.layout.ep > 1 for c in found.ranked)
         assert any(c.layout.ep > 1 and c.layout.zero == 3 for c in found.ranked) == allowed, name
+
+
+def test_the_html_page_holds_what_plan_json_says(tmp_path, capsys):
+    from ultrascale.plan import page
+
+    args = ["plan", "--model", "llama3-70b", "--gpus", "64", "--pp", "4", "--top", "5"]
+    code, out, err = cli(capsys, *args, "--json")
+    assert code == 0, err
+    expected = json.loads(out)
+    out_file = tmp_path / "plan.html"
+    code, out, err = cli(capsys, *args, "--html", str(out_file))
+    assert code == 0 and f"page: {out_file}" in out, err
+    data = page.read_data(str(out_file))
+    for key in ("model", "gpus", "gpu", "cluster", "framework", "enumerated", "fitting"):
+        assert data[key] == expected[key], key
+    assert data["assumes"].startswith("precision bf16, framework megatron (default), cluster h100-80gb")
+    assert len(data["candidates"]) == len(expected["candidates"]) == 5
+    for got, want in zip(data["candidates"], expected["candidates"]):
+        assert {k: got[k] for k in ("layout", "label", "memory", "time")} == want
+        # Memory by owner adds up to the planner's total; the schedule has a row per pipeline rank.
+        assert sum(got["owners"].values()) == pytest.approx(want["memory"]["total"], rel=1e-12)
+        g, lay = got["gantt"], want["layout"]
+        assert len(g["ranks"]) == lay["pp"] == 4 and g["of"] == lay["grad_accum"]
+        forwards = [x for x in g["ranks"][0] if x[0] == "F"]
+        assert len(forwards) == g["micro_batches"] * lay["chunks"]
+    text = out_file.read_text()
+    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text  # offline
+
+
+def test_an_html_page_that_cannot_be_written_is_one_line_before_the_search(capsys, tmp_path):
+    code, out, err = cli(capsys, "plan", "--model", "llama3-8b", "--gpus", "8", "--html", str(tmp_path))
+    assert code == 2 and "--html" in err and "is a directory" in err and out == "", err

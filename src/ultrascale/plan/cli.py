@@ -91,6 +91,8 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--emit-config", metavar="PATH", help="write the best layout as a TOML file for "
                                                          "`ultrascale train --config PATH`")
+    p.add_argument("--html", metavar="OUT.html", help="write the ranked layouts as one interactive page: memory "
+                                                      "by owner, step time by cause, the pipeline schedule")
     p.set_defaults(func=cmd_search)
     plan_sub = p.add_subparsers(dest="plan_command", metavar="{memory,validate,published}")
     m = plan_sub.add_parser("memory", help="per-GPU memory (and step time) of one configuration")
@@ -203,6 +205,10 @@ def cmd_search(args) -> int:
                           f"heads and the MLP width {shape.ffn_hidden}: pick a tp that divides "
                           f"{math.gcd(shape.heads, shape.kv_heads, shape.ffn_hidden)}")
     check_framework(fw, fixed.get("ep") or 1, fixed.get("zero"))  # the rule, not "nothing reaches the batch"
+    if args.html:
+        from ultrascale.preflight import check_writable_file
+
+        check_writable_file("--html", args.html)  # before the search, not after it
     result = search(shape, args.gpus, gpu, fw, args.seq_len, args.global_batch_tokens, args.precision, fixed)
     sequences = batch_sequences(args.global_batch_tokens, args.seq_len)
     if args.emit_config:
@@ -213,11 +219,19 @@ def cmd_search(args) -> int:
         write(args.emit_config, shape, result.ranked[0].layout)
     needed = None if result.ranked else gpus_needed(shape, args.gpus, gpu, fw, args.seq_len,
                                                     args.global_batch_tokens, args.precision, fixed)
+    out = {"model": shape.name, "gpus": args.gpus, "gpu": gpu.gpu.name, "cluster": gpu.name, "framework": fw.name,
+           "enumerated": result.enumerated, "fitting": len(result.ranked),
+           "candidates": [c.as_dict() for c in result.ranked[:args.top]],
+           "smallest": result.smallest.as_dict() if result.smallest else None, "gpus_needed": needed}
+    if args.html:
+        if not result.ranked:
+            raise ConfigError(f"--html {args.html}: no layout fits, nothing to draw")
+        from ultrascale.plan import page
+
+        page.write(args.html, json.loads(json.dumps(out)),
+                   f"{shape.name} on {args.gpus} x {gpu.gpu.name}: {sequences} sequences x {args.seq_len} tokens",
+                   f"precision {args.precision}, {assumptions(gpu, fw)}", gpu.memory_bytes)
     if args.json:
-        out = {"model": shape.name, "gpus": args.gpus, "gpu": gpu.gpu.name, "cluster": gpu.name, "framework": fw.name,
-               "enumerated": result.enumerated, "fitting": len(result.ranked),
-               "candidates": [c.as_dict() for c in result.ranked[:args.top]],
-               "smallest": result.smallest.as_dict() if result.smallest else None, "gpus_needed": needed}
         print(json.dumps(out, indent=1))
         return 0
     print(f"{shape.name} on {args.gpus} x {gpu.gpu.name}: {sequences} sequences x {args.seq_len} tokens per step, "
@@ -227,6 +241,8 @@ def cmd_search(args) -> int:
         return 0
     print("\n".join(report.table(result.ranked, args.top)))
     print("\n".join(report.explain(shape, result, gpu, args.gpus, sequences)))
+    if args.html:
+        print(f"page: {args.html}")
     return 0
 
 
