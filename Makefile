@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/ultrascale train --model small --steps 60 --seq-len 128 --micro-batch 8 --lr 3e-3 --log-every 5
 
 # The figures a CPU's rounding can change, again on other kernel sets (vector widths change
-# summation orders): the equivalence tests and the notebooks' printed figures under the lowest
+# summation orders): the equivalence tests and the notebooks that print measured figures under the lowest
 # set (default), and the equivalence tests under avx2 where the CPU runs wider vectors by default
 # (on an AVX2-only CPU the first pass already ran avx2). A tolerance that holds for one CPU's
 # rounding only is found here, not on the next machine.
