@@ -86,6 +86,11 @@ FRAMEWORKS = {
 }
 
 
+# What `ultrascale plan` assumes when no --framework is given: Megatron-LM's kernels and pipeline,
+# no constant fitted on one cluster alone (checked against published runs: plan/published.py).
+DEFAULT_FRAMEWORK = "megatron"
+
+
 def get_framework(name: str) -> Framework:
     if name not in FRAMEWORKS:
         raise ConfigError(f"unknown framework {name!r}: choose one of {', '.join(FRAMEWORKS)}")

@@ -135,10 +135,9 @@ def _shape(args):
 
 
 def _context(args):
+    from ultrascale.errors import ConfigError
     from ultrascale.plan.hardware import get_cluster
     from ultrascale.plan.precision import get_precision
-
-    from ultrascale.errors import ConfigError
 
     get_precision(args.precision)
     cluster, fw = get_cluster(args.cluster, args.gpu), framework_of(args)
@@ -150,7 +149,7 @@ def _context(args):
 
 def assumptions(cluster, fw) -> str:
     """What the figures assume, said with them: which software on which machines."""
-    from ultrascale.plan.published import DEFAULT_FRAMEWORK
+    from ultrascale.plan.calibration import DEFAULT_FRAMEWORK
 
     return (f"framework {fw.name}{' (default)' if fw.name == DEFAULT_FRAMEWORK else ''}, cluster {cluster.name} "
             f"({cluster.help})")
@@ -161,8 +160,7 @@ def framework_of(args):
     The stage split is the even one unless --partition compute asks for nanotron's."""
     from dataclasses import replace
 
-    from ultrascale.plan.calibration import get_framework
-    from ultrascale.plan.published import DEFAULT_FRAMEWORK
+    from ultrascale.plan.calibration import DEFAULT_FRAMEWORK, get_framework
 
     fw = get_framework(args.framework or DEFAULT_FRAMEWORK)
     switches = {"partition": args.partition or "even"}
@@ -228,7 +226,7 @@ def cmd_search(args) -> int:
             raise ConfigError(f"--html {args.html}: no layout fits, nothing to draw")
         from ultrascale.plan import page
 
-        page.write(args.html, json.loads(json.dumps(out)),
+        page.write(args.html, out,
                    f"{shape.name} on {args.gpus} x {gpu.gpu.name}: {sequences} sequences x {args.seq_len} tokens",
                    f"precision {args.precision}, {assumptions(gpu, fw)}", gpu.memory_bytes)
     if args.json:
@@ -314,7 +312,8 @@ def cmd_validate(args) -> int:
 
 
 def cmd_published(args) -> int:
-    from ultrascale.plan.published import DEFAULT_FRAMEWORK, TOLERANCE, table
+    from ultrascale.plan.calibration import DEFAULT_FRAMEWORK
+    from ultrascale.plan.published import TOLERANCE, table
 
     rows = table()
     if args.json:

@@ -45,11 +45,11 @@ def gantt(lay: dict, breakdown: dict) -> dict:
 
 def page_data(result: dict) -> dict:
     """What the page draws: `plan --json`'s fields, each candidate with its owners and schedule."""
-    for c in result["candidates"]:
-        mem = c["memory"]
-        c["owners"] = {k: sum(mem[t] for t in terms) for k, terms in OWNERS.items()}
-        c["gantt"] = gantt(c["layout"], c["time"]["breakdown_s"])
-    return result
+    def drawn(c):
+        return {**c, "owners": {k: sum(c["memory"][t] for t in terms) for k, terms in OWNERS.items()},
+                "gantt": gantt(c["layout"], c["time"]["breakdown_s"])}
+
+    return {**result, "candidates": [drawn(c) for c in result["candidates"]]}
 
 
 def write(path: str, result: dict, title: str, assumes: str, memory_bytes: float) -> None:

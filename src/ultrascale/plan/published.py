@@ -17,18 +17,15 @@ Each figure is compared on its source's own scale:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from ultrascale.plan.calibration import get_framework
+from ultrascale.plan.calibration import DEFAULT_FRAMEWORK, get_framework
 from ultrascale.plan.hardware import get_cluster
 from ultrascale.plan.layout import Layout
 from ultrascale.plan.shape import get_shape
 from ultrascale.plan.time import step_time
 
-# What `ultrascale plan` assumes when no --framework / --cluster is given (the cluster: the
-# generic nodes of the GPU named with --gpu). Megatron-LM's kernels and pipeline on vendor-built
-# nodes: no term fitted on one cluster alone.
-DEFAULT_FRAMEWORK = "megatron"
 TOLERANCE = 0.25  # the default must be within this of every run below
 
 
@@ -130,8 +127,6 @@ def figure(run: PublishedRun, t, shape) -> float:
 
 def predict(run: PublishedRun, framework: str | None = None, cluster: str | None = None) -> float:
     """The run as planned with a framework and cluster (None: the defaults, only the GPU named)."""
-    import dataclasses
-
     fw = dataclasses.replace(get_framework(framework or DEFAULT_FRAMEWORK), **run.switches)
     shape = get_shape(run.model)
     t = step_time(shape, Layout(**run.layout), get_cluster(cluster, None if cluster else run.gpu), fw)

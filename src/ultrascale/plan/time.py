@@ -33,8 +33,9 @@ bubble is bubble.py's fraction of the micro-batches' time.
 
 Synchronization: what the playbook's measured runs pay beyond bytes and FLOPs
 (docs/planner.md, "The time model at scale"): two constants of the framework
-(calibration.py) and one of the cluster (hardware.py). Every ring step of a collective on the critical path (tensor
-parallel, expert all-to-all) costs collective_step_s: its launch and the wait for
+(calibration.py) and one of the cluster (hardware.py). Every ring step of a
+collective on the critical path (tensor parallel, expert all-to-all) costs
+collective_step_s: its launch and the wait for
 the group's slowest member. A pipeline stage pays pipeline_sync_factor times that
 when its framework synchronizes the host on every receive (nanotron reads the
 incoming tensor's shape on the CPU, so the CPU stops running ahead of the GPU and
