@@ -186,11 +186,9 @@ def read_hf_config(path: str) -> ModelConfig:
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """{our name: shape} of every parameter of the single-device model, in its order (no memory: meta device)."""
-    import torch
+    from ultrascale.model.transformer import Transformer, on_meta_without_default_init
 
-    from ultrascale.model.transformer import Transformer
-
-    with torch.device("meta"):
+    with on_meta_without_default_init():
         return {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
 
 

@@ -13,6 +13,7 @@ Each technique transforms this module instead of being written into it:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -129,9 +130,17 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, cfg.is_moe_layer(i)) for i in range(cfg.layers)})
         self.norm = make_norm(cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Filled by init_weights (or now, off the meta device, where arange would run python kernels).
+        for name in ("rope_cos", "rope_sin"):
+            self.register_buffer(name, torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
+        if self.rope_cos.device.type != "meta":
+            self._fill_rope()
+
+    @torch.no_grad()
+    def _fill_rope(self) -> None:
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def forward(self, tokens, positions=None):
         """tokens [b, s] (or hidden states [b, s, h] on a pipeline stage without the
@@ -168,9 +177,7 @@ class Transformer(nn.Module):
         `model.hf.hf_weights`), replaces the random draw: each rank still takes its
         slice of each full tensor the same way, whatever the parallel layout.
         """
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self._fill_rope()
         for name, b in self.named_buffers():
             if name.endswith("router_bias"):
                 b.zero_()
@@ -200,15 +207,36 @@ def init_tensor(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
     return torch.empty(shape).normal_(0.0, std, generator=g)
 
 
+# The random fills modules run on themselves when built (nn.Linear, nn.Embedding).
+_DEFAULT_INITS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_",
+                  "xavier_uniform_", "xavier_normal_")
+
+
+@contextlib.contextmanager
+def on_meta_without_default_init():
+    """The meta device, with the modules' own random initialisation skipped: on meta its values
+    are thrown away anyway (init_weights sets each parameter from the seed), and the meta kernels
+    of the random fills import torch's compiler stack, a second and more of every process's start."""
+    saved = {name: getattr(nn.init, name) for name in _DEFAULT_INITS}
+    for name in _DEFAULT_INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def build_model(cfg: ModelConfig, seed: int, device="cpu", transform=None, source=None) -> Transformer:
     """Construct on the meta device (no memory), let `transform` reshape it (pipeline
     split, tensor-parallel swaps), then allocate on `device` and initialise from `seed`,
     or from `source` ({single-device name: full tensor}) when given."""
     cfg.validate()
-    with torch.device("meta"):
+    with on_meta_without_default_init():
         model = Transformer(cfg)
-    if transform is not None:
-        model = transform(model) or model
+        if transform is not None:
+            model = transform(model) or model
     # to_empty makes new Parameter objects: carry what the transforms noted on them
     # (shard descriptions, gradient groups) across.
     notes = {n: dict(p.__dict__) for n, p in model.named_parameters() if p.__dict__}

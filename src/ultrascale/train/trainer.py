@@ -27,7 +27,7 @@ from ultrascale.distributed.context import ParallelContext
 from ultrascale.model import build_model, flops_per_token
 from ultrascale.model.moe import moe_layers, step_loads, update_router_bias
 from ultrascale.spans import BACKWARD, FORWARD, OPTIMIZER, STEP, comm, span
-from ultrascale.train import checkpoint, resume
+from ultrascale.train import resume
 from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
 from ultrascale.train.loss_scale import DynamicLossScaler
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, storage_bytes
@@ -100,6 +100,10 @@ class Trainer:
         # The ceiling of MFU, per device (--peak; measuring it is collective: every rank is here).
         self.peak, self.peak_source = run_peak(t.peak, ctx.device, t.dtype, ctx.world_size)
         self.step = 0
+        if t.save or t.resume:
+            # torch.distributed.checkpoint (and DTensor, sympy under it) costs a second per process to
+            # import: only the runs that save or resume pay it.
+            from ultrascale.train import checkpoint
         if t.save and ctx.rank == 0:
             checkpoint.clean_partial(t.save)  # what a killed run left (the next save would also)
         if t.resume:
@@ -259,10 +263,14 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------
     def save(self, path: str) -> None:
+        from ultrascale.train import checkpoint
+
         checkpoint.save(path, self)
 
     def _resume(self, path: str) -> None:
         """Continue from `path`, whatever layout wrote it (train/checkpoint.py)."""
+        from ultrascale.train import checkpoint
+
         resume.check_resume(path, checkpoint.read_meta(path), self.cfg)
         self.step = checkpoint.load(path, self)
 
