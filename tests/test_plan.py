@@ -448,6 +448,46 @@ def test_torchtitan_preset_is_set_on_one_run_and_checked_on_the_others():
     assert published.predict(plain, "torchtitan", "grand-teton") / run.published < 0.8
 
 
+# -- the engine's own preset, from the engine's own runs -----------------------------------------
+CPU_RUNS = Path(__file__).resolve().parents[1] / "src" / "ultrascale" / "plan" / "data" / "cpu_runs.json"
+
+
+def _engine_prediction(run, cluster, fw):
+    return step_time(from_model_config(get_preset(CPU_RUNS_DATA["model"])), Layout(**run["layout"]), cluster,
+                     fw).step_s
+
+
+CPU_RUNS_DATA = json.loads(CPU_RUNS.read_text())
+
+
+def test_the_engine_preset_and_the_cpu_cluster_are_the_measured_ones():
+    # The constants in calibration.py / hardware.py are the fit and the measurements the benchmark wrote
+    # (benchmarks/bench_plan_cpu.py), to their printed digits.
+    fw, cpu, measured = get_framework("ultrascale"), get_cluster("cpu"), CPU_RUNS_DATA["measured"]
+    for name, value in CPU_RUNS_DATA["fitted"].items():
+        assert getattr(fw, name) == pytest.approx(value, rel=5e-3, abs=1e-6), name
+    assert cpu.peak_flops["fp32"] == pytest.approx(measured["peak_flops_fp32"], rel=5e-3)
+    assert cpu.hbm_bandwidth == pytest.approx(measured["memory_bandwidth"], rel=5e-3)
+    assert cpu.intra.bandwidth == pytest.approx(measured["link_bandwidth"], rel=5e-3)
+    assert cpu.intra.latency == pytest.approx(measured["link_latency_s"], rel=5e-3)
+
+
+def test_the_engine_preset_predicts_the_engines_measured_cpu_runs():
+    runs = CPU_RUNS_DATA["runs"]
+    assert {r["label"].split(" ")[0] for r in runs} >= {"1", "dp", "tp", "pp", "cp"}
+    fw, cpu = get_framework("ultrascale"), get_cluster("cpu")
+    ratios = {r["label"]: _engine_prediction(r, cpu, fw) / r["measured_s"] for r in runs}
+    assert all(abs(x - 1) <= published.TOLERANCE for x in ratios.values()), ratios
+    # The constants it replaced, borrowed rather than measured (mfu 0.5, 1 ms per layer, 10 ms per
+    # micro-batch, 20 us per collective step, CP blocks as fused attention), fail the same bound:
+    # one process planned ~40% slow, tp 2 a quarter fast.
+    borrowed = dataclasses.replace(fw, mfu=0.5, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
+                                   collective_step_s=20e-6, cp_block_attention="flash")
+    missed = {r["label"] for r in runs if abs(_engine_prediction(r, cpu, borrowed) / r["measured_s"] - 1)
+              > published.TOLERANCE}
+    assert {"1 process", "1 process, micro-batch 1"} <= missed, missed
+
+
 def test_plan_says_which_framework_and_cluster_its_figures_assume(capsys):
     code, out, err = cli(capsys, "plan", "--model", "llama3-8b", "--gpus", "16", "--top", "1")
     assert code == 0, err

@@ -6,8 +6,10 @@ Calibration constants are the few numbers a model of a real cluster cannot
 derive; each one is named, documented, and set once for a framework, never per
 configuration (docs/planner.md gives the figures they produce).
 
-- `ultrascale`: our engine as written (eager RMSNorm, SDPA, fp32 loss), which
-  the planner matches exactly on CPU (tests/test_plan_engine.py).
+- `ultrascale`: our engine as written (eager RMSNorm, SDPA, fp32 loss), whose
+  memory the planner matches exactly on CPU (tests/test_plan_engine.py), and
+  whose time constants are fitted on its own CPU runs (`--cluster cpu`,
+  benchmarks/bench_plan_cpu.py, plan/data/cpu_runs.json).
 - `playbook`: the framework of the playbook's published H100 runs
   (../shared/data/playbook_benchmarks.csv: nanotron, FlashAttention, fused
   norms), calibrated against those runs (`ultrascale plan validate`).
@@ -45,6 +47,9 @@ class Framework:
     help: str = ""
     # -- more implementation facts (activations.ActivationSpec) ----------------
     attention: str = "flash"  # flash | eager (keeps the s x s softmax)
+    # Context parallelism's block attention (ring, zig-zag, all-gather): "eager" where each block's
+    # scores are built and softmaxed in memory, then merged (our engine today: parallel/context).
+    cp_block_attention: str = "flash"
     dropout: bool = False  # 1-byte dropout masks after attention and MLP
     fused_swiglu: bool = False  # SwiGLU keeps 3f per token, not 4f
     zero3_with_ep: bool = True  # ZeRO-3 gathers expert weights per unit too (FSDP2 + EP; our engine does not)
@@ -58,8 +63,13 @@ class Framework:
 FRAMEWORKS = {
     "ultrascale": Framework(
         "ultrascale", kernels="eager", sp_keeps_gathered_input=True, partition="even",
-        context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
-        collective_step_s=20e-6, zero3_with_ep=False, help="our engine: eager kernels, exact on CPU"),
+        context_bytes=1.0 * GIB, fragmentation=0.20,
+        # Fitted on this engine's runs on a CPU (--cluster cpu; benchmarks/bench_plan_cpu.py writes
+        # plan/data/cpu_runs.json): a collective's ring step costs milliseconds on gloo, as its
+        # all-gather and reduce-scatter run. Not yet measured on a GPU.
+        mfu=0.57, layer_overhead_s=0.0, microbatch_overhead_s=0.00273,
+        collective_step_s=0.00422, zero3_with_ep=False, cp_block_attention="eager",
+        help="our engine: eager kernels; memory exact on CPU, time fitted on its CPU runs"),
     "playbook": Framework(
         "playbook", kernels="fused", sp_keeps_gathered_input=False, partition="compute",
         context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.50, layer_overhead_s=1e-3, microbatch_overhead_s=0.0,

@@ -95,7 +95,14 @@ GPUS = {
     # Its dense peak is not published ("between SXM and NVL"); the SXM figure is what torchtitan divides by.
     "h100-96gb-hbm2e": GPU("h100-96gb-hbm2e", 93.6 * GIB, {"bf16": 989.5e12, "fp32": 494.7e12, "fp8": 1979e12},
                            2.4e12),
+    # One rank of this engine on a CPU: one process, one thread, one core. Measured on a 2-core AMD
+    # EPYC with both ranks busy (benchmarks/bench_plan_cpu.py, plan/data/cpu_runs.json): the fp32
+    # matmul ceiling, and the rate of one elementwise pass (what the memory-bound terms pay).
+    "cpu-core": GPU("cpu-core", 12 * GIB, {"bf16": 82.0e9, "fp32": 82.0e9}, 6.07e9),
 }
+
+# gloo between processes of one machine (loopback TCP), fitted on its all-reduce times (same file).
+GLOO_LOOPBACK = Link("gloo over loopback TCP", 1.20e9, 233e-6)
 
 
 def _dgx(gpu: str, intra: Link, inter: Link) -> Cluster:
@@ -122,6 +129,9 @@ CLUSTERS = {
     "jean-zay": Cluster("jean-zay", GPUS["a100-80gb"], NVLINK3, OMNIPATH_4X100,
                         help="Jean Zay's A100 partition: 8 A100 80GB per node, 4 x 100 Gb/s Omni-Path "
                              "(BLOOM-176B's)"),
+    # This engine's own runs on a CPU: the cluster its `ultrascale` framework constants were fitted on.
+    "cpu": Cluster("cpu", GPUS["cpu-core"], GLOO_LOOPBACK, GLOO_LOOPBACK, node_size=2,
+                   help="a 2-core CPU, one rank per core, gloo (measured: benchmarks/bench_plan_cpu.py)"),
 }
 
 

@@ -186,7 +186,7 @@ def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
     flops, extra, linear, extra_linear = _stage_flops(shape, lay, blocks, tokens)
     t = {"compute": _matmul_s(flops, linear, peak, fw, gpu), "recompute": _matmul_s(extra, extra_linear, peak, fw, gpu),
          "kernel_overhead": fw.layer_overhead_s * n_layers + fw.microbatch_overhead_s}
-    if fw.attention == "eager":
+    if fw.attention == "eager" or (lay.cp > 1 and fw.cp_block_attention == "eager"):
         # Attention without a fused kernel writes the s x s scores to memory and reads them back: the
         # softmax forward (scores in, probabilities out, read by the values' matmul) and backward (four
         # more passes), again when the forward is recomputed. Memory-bound, at the HBM's rate.
