@@ -148,8 +148,6 @@ def parse_train_config(args):
 
 def _precheck(cfg) -> None:
     """Refuse, before any process starts, what the workers would refuse."""
-    from ultrascale.train.data import _text_files
-
     t = cfg.train
     if t.dtype != "fp32":
         import torch
@@ -166,6 +164,8 @@ def _precheck(cfg) -> None:
         cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
         check_fp8_support("cuda" if cuda else "cpu")
     if t.data and not t.data.startswith("hf:"):
+        from ultrascale.train.data import _text_files
+
         _text_files(t.data)
     if t.data.startswith("hf:"):
         from ultrascale.train.data import iter_documents

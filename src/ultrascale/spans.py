@@ -5,7 +5,8 @@ Every technique's communication and the trainer's phases are spans of a
 whatever the layout. This module sits below everything that records (parallel/,
 train/) and imports torch alone. A span is a `torch.profiler.record_function`
 (not an NVTX range: those would need `torch.autograd.profiler.emit_nvtx`, which
-this code does not enter):
+this code does not enter). torch is imported when a span is recorded, so that reading
+the vocabulary (the trace reader, every command's parser) costs no torch import:
 
     step, forward, backward, optimizer     what the trainer does
     comm:<technique>.<operation>           every communication the engine issues
@@ -31,8 +32,6 @@ operation had long finished and sat waiting for wait() to be called.
 from __future__ import annotations
 
 import contextlib
-
-import torch
 
 # -- the span vocabulary ------------------------------------------------------
 STEP = "step"
@@ -87,7 +86,11 @@ def recording(on: bool) -> None:
 
 def span(name: str):
     """A named span of the profiled steps (a no-op when profiling is off)."""
-    return torch.profiler.record_function(name) if _active else _NULL
+    if not _active:
+        return _NULL
+    import torch.profiler
+
+    return torch.profiler.record_function(name)
 
 
 def comm(what: str):
@@ -95,6 +98,8 @@ def comm(what: str):
     if not _active:
         return _NULL
     assert what in COMM, what
+    import torch.profiler
+
     return torch.profiler.record_function(COMM_PREFIX + what)
 
 

@@ -18,12 +18,15 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import torch
+from typing import TYPE_CHECKING
 
-from ultrascale.distributed.context import device_of
+if TYPE_CHECKING:
+    import torch
 from ultrascale.errors import ConfigError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# torch is imported where a measurement runs: the launcher and every command's parser read this
+# module (check_peak, add_parser) without paying for it.
+DTYPES = ("fp32", "bf16", "fp16")
 # Sizes tried, smallest first; the larger ones only while the time budget allows.
 SIZES = {"cpu": (256, 512, 1024, 2048), "cuda": (2048, 4096, 8192)}
 _CACHE: dict[tuple, "Peak"] = {}
@@ -42,6 +45,8 @@ class Peak:
 
 
 def describe_device(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     n = torch.get_num_threads()
@@ -49,6 +54,8 @@ def describe_device(device: torch.device) -> str:
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -62,9 +69,11 @@ def measure(device: torch.device, dtype: str = "fp32", sizes=None, repeats: int 
     the ranks) makes every decision the same on every rank, and `barrier()` starts each timed
     repeat on all ranks at once, so that their matmuls overlap as in training.
     """
+    import torch
+
     agree = agree or (lambda x: x)
     barrier = barrier or (lambda: None)
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     sizes = sorted(sizes or SIZES["cuda" if device.type == "cuda" else "cpu"])
     gen = torch.Generator(device="cpu").manual_seed(0)
     by_size: dict[int, float] = {}
@@ -117,10 +126,13 @@ def parse_peak(value) -> float | str:
 
 def check_peak(value, device_name: str, dtype: str) -> None:
     """Refuse, before training, a --peak that cannot be honoured on this device."""
-    from ultrascale.train.metrics import PEAK_TFLOPS, peak_tflops
-
     if parse_peak(value) != "datasheet":
         return
+    import torch
+
+    from ultrascale.distributed.context import device_of
+    from ultrascale.train.metrics import PEAK_TFLOPS, peak_tflops
+
     device = device_of(device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
         return  # --device cuda without a GPU: the run itself says so
@@ -163,6 +175,8 @@ def measured_peak(device: torch.device, dtype: str, group_size: int = 1) -> floa
     process that trains several times, as the tests do, pays once); the ranks agree first
     on whether all of them hold it, so none waits at a barrier the others skip.
     """
+    import torch
+
     import torch.distributed as dist
 
     distributed = group_size > 1 and dist.is_available() and dist.is_initialized()
@@ -203,6 +217,9 @@ def add_parser(sub) -> None:
 def cmd_peak(args) -> int:
     import json
 
+    import torch
+
+    from ultrascale.distributed.context import device_of
     from ultrascale.train.metrics import peak_tflops
 
     if args.dtype not in DTYPES:
