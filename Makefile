@@ -11,10 +11,15 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum |
 
 setup: $(STAMP)
 
+# pip byte-compiles what it installs one file at a time; compileall does it on every core (a fresh
+# setup: 107 s instead of 125 on 2 cores). Its status is 1 for the few files of other Python versions
+# that packages ship (pip skips them too), hence `|| true`.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,hf,plot,series,tensorboard,youtube,fp8]"
+	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e ".[dev,hf,plot,series,tensorboard,youtube,fp8]"
+	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
+		> /dev/null || true
 	rm -f $(VENV)/.installed-*
 	touch $@
 
