@@ -10,6 +10,7 @@ import torch
 from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, validate
 from ultrascale.model import count_params, get_preset
 from ultrascale.testing.compare import (
+    BF16,
     RunRecord,
     assert_matches,
     compare,
@@ -18,6 +19,7 @@ from ultrascale.testing.compare import (
     train_single,
 )
 from ultrascale.testing.harness import run_distributed, worker_context
+from ultrascale.train.startup import check_run
 
 MODES = [("naive", 0), ("overlap", 0), ("bucket", 0), ("bucket", 1), ("bucket", 2), ("bucket", 3)]
 
@@ -56,6 +58,37 @@ def test_zero_composes_with_recomputation(zero, recompute):
     cfg = config(2, 2, "bucket", zero)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute=recompute))
     assert_matches(compare(f"zero {zero} + recompute {recompute}, 2 ranks", ref, train_parallel(cfg, 2)[0]))
+
+
+# -- offload: the optimizer's shard off the device (parallel/offload.py) ------------
+def _train_with_segment(cfg, segment, fault=None):
+    """A worker's run with offload streaming `segment` elements at a time: small segments cut the
+    pieces of parameters across segment boundaries and cycle the double buffers."""
+    from ultrascale.parallel import offload
+    from ultrascale.testing.compare import _train_on_worker
+
+    offload.SEGMENT = segment
+    return _train_on_worker(cfg, fault)
+
+
+OFFLOADS = [("cpu", 1, "fp32"), ("cpu", 2, "fp32"), ("cpu", 3, "fp32"), ("disk", 1, "fp32"), ("disk", 3, "fp32"),
+            ("disk", 2, "bf16")]
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("offload,zero,dtype", OFFLOADS, ids=[f"{o}-zero{z}-{d}" for o, z, d in OFFLOADS])
+def test_offload_matches_the_single_process_run(offload, zero, dtype, tmp_path):
+    cfg = config(2, 2, "bucket", zero, dtype=dtype, offload=offload,
+                 offload_dir=str(tmp_path) if offload == "disk" else "")
+    # disk: 4,099-element segments (the tiny model's pieces are up to 16,384), so pieces straddle them.
+    segment = 4099 if offload == "disk" else 1 << 20
+    got = run_distributed(2, _train_with_segment, check_run(cfg, 2), segment)[0]
+    label = f"zero {zero} + offload {offload}, {dtype}, 2 ranks, grad accum 2"
+    if dtype == "fp32":
+        assert_matches(compare(label, reference(2, 2), got))
+    else:  # bf16: against one process fed the same micro-batches (testing/compare.py)
+        assert_matches(compare(label, reference(2, 2, dtype="bf16", same_micro_batches=True), got), BF16)
+    assert not list(tmp_path.iterdir())  # the files were anonymous: nothing left behind
 
 
 def test_every_rank_ends_with_the_same_parameters():

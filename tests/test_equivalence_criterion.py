@@ -33,6 +33,7 @@ FAULTY = [  # (fault, label, world, config)
     ("last-bucket-dropped", "dp 2 bucket", 2, config(dp=2)),
     ("last-bucket-dropped", "dp 2 zero 1", 2, config(dp=2, zero=1)),
     ("micro-batch-counted-twice", "dp 2, grad accum 2", 2, config(dp=2)),
+    ("offload-stale-moment", "dp 2 zero 2 offload cpu", 2, config(dp=2, zero=2, offload="cpu")),
     ("micro-batch-counted-twice", "pp 2 1f1b, 4 micro-batches", 2,
      config(pp=2, grad_accum=4, micro_batch=1, layers=4)),
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import tempfile
 
 from ultrascale.errors import ConfigError
@@ -87,3 +88,24 @@ def check_output_paths(train_cfg) -> None:
         check_output_dir("--profile", train_cfg.profile)
     if getattr(train_cfg, "tensorboard", ""):
         check_output_dir("--tensorboard", train_cfg.tensorboard)
+
+
+def offload_bytes(model) -> int:
+    """What --offload disk writes, all ranks together: fp32 master weights and AdamW's two
+    moments of every parameter (each element on the one rank that owns its shard)."""
+    from ultrascale.model.config import count_params
+
+    return 12 * count_params(model)
+
+
+def check_offload_dir(cfg) -> None:
+    """--offload disk: the directory must take files, and have room for the states of every rank."""
+    p = cfg.parallel
+    if p.offload != "disk":
+        return
+    check_output_dir("--offload-dir", p.offload_dir)
+    where = _nearest_existing(os.path.abspath(p.offload_dir))
+    need, free = offload_bytes(cfg.model), shutil.disk_usage(where).free
+    if need > free:
+        raise ConfigError(f"--offload-dir {p.offload_dir}: the optimizer states need {need / 2**30:.1f} GiB and "
+                          f"{where} has {free / 2**30:.1f} GiB free: free space there or choose another directory")

@@ -119,12 +119,13 @@ def build_data_parallel(model, params, ctx, cfg):
     if p.zero == 3:
         from ultrascale.parallel.zero3 import Zero3
 
-        return Zero3(model, params, dtype, group, world, ctx.index("dp_cp"))
+        return Zero3(model, params, dtype, group, world, ctx.index("dp_cp"), p.offload, p.offload_dir)
     if p.zero:
         from ultrascale.parallel.zero import ZeroDataParallel
 
         buckets = make_buckets(params, p.bucket_mb * 2**20, pad_to=world)
-        return ZeroDataParallel(params, dtype, group, world, ctx.index("dp_cp"), p.zero, buckets)
+        return ZeroDataParallel(params, dtype, group, world, ctx.index("dp_cp"), p.zero, buckets,
+                                p.offload, p.offload_dir)
     if p.dp_mode == "naive":
         return NaiveDataParallel(params, dtype, group, world)
     if p.dp_mode == "overlap":

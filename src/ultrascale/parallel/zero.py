@@ -68,8 +68,10 @@ class ShardedMainParams(MainParams):
 class ZeroDataParallel(LocalGrads):
     """ZeRO stages 1 and 2 over size-capped buckets (stage 3 extends it in zero3.py)."""
 
-    def __init__(self, params, dtype, group, world, rank, stage, buckets):
+    def __init__(self, params, dtype, group, world, rank, stage, buckets, offload="none", offload_dir=""):
         self.group, self.world, self.rank, self.stage = group, world, rank, stage
+        # --offload cpu | disk: the optimizer's shard lives off the device (parallel/offload.py).
+        self.offload, self.offload_dir = offload, offload_dir
         # Gradients are divided by this before the sum: the group size, except for expert
         # weights under expert parallelism (parallel/expert_grads.py), where it is dp.
         self.divisor = world
@@ -82,6 +84,7 @@ class ZeroDataParallel(LocalGrads):
     # -- parameters: flat buffers, shards, and the optimizer's pieces -------
     def _make_main(self, dtype: str):
         mixed = dtype != "fp32"
+        offloaded = self.offload != "none"
         pieces, main, decay = [], [], []
         self._piece_owners = []
         for b in self.buckets:
@@ -92,14 +95,22 @@ class ZeroDataParallel(LocalGrads):
                     b.view(b.param_flat, i).copy_(p.detach())
             for i, start, end in b.pieces(self.rank, self.world):
                 p, off = b.params[i], b.offsets[i]
-                if mixed:  # masters copy the fp32 initial values, before any rounding
-                    main.append(nn.Parameter(p.detach().flatten()[start - off:end - off].clone()))
+                initial = p.detach().flatten()[start - off:end - off]
+                if offloaded:  # the offloaded states copy them where they live
+                    main.append(initial)
+                elif mixed:  # masters copy the fp32 initial values, before any rounding
+                    main.append(nn.Parameter(initial.clone()))
                 pieces.append((b, start, end))
                 decay.append(p.ndim >= 2)
                 self._piece_owners.append(p)
             for i, p in enumerate(b.params):
                 p.data = b.view(b.param_flat, i)
             self._place(b)
+        if offloaded:
+            from ultrascale.parallel.offload import OffloadedMain
+
+            return OffloadedMain(pieces, main, decay, self._shard_view, self._after_update,
+                                 self.buckets[0].params[0].device, self.offload, self.offload_dir, self.rank)
         if not mixed:
             # fp32: the optimizer updates this rank's shard of the parameters in place.
             main = [nn.Parameter(self._shard_view(b, s, e), requires_grad=False) for b, s, e in pieces]

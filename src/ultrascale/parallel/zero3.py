@@ -44,8 +44,9 @@ def _units(model, params, world) -> list[Bucket]:
 
 
 class Zero3(ZeroDataParallel):
-    def __init__(self, model, params, dtype, group, world, rank):
-        super().__init__(params, dtype, group, world, rank, stage=3, buckets=_units(model, params, world))
+    def __init__(self, model, params, dtype, group, world, rank, offload="none", offload_dir=""):
+        super().__init__(params, dtype, group, world, rank, stage=3, buckets=_units(model, params, world),
+                         offload=offload, offload_dir=offload_dir)
         self.root = self.buckets[-1]
         blocks = list(model.layers.values())
         self.block_units = list(reversed(self.buckets[:len(blocks)]))  # forward order
@@ -57,7 +58,12 @@ class Zero3(ZeroDataParallel):
     # -- the shard is what persists ------------------------------------------
     def _place(self, b) -> None:
         lo, hi = b.shard
-        b.param_shard = b.param_flat[lo:hi].clone()
+        if self.offload != "none":  # the shard lives in host memory, copied over at each gather
+            from ultrascale.parallel.offload import host_empty
+
+            b.param_shard = host_empty(hi - lo, b.param_flat.dtype, b.param_flat.device).copy_(b.param_flat[lo:hi])
+        else:
+            b.param_shard = b.param_flat[lo:hi].clone()
         b.nbytes = b.param_flat.untyped_storage().nbytes()
         b.work = None
         self._free(b)
@@ -76,8 +82,13 @@ class Zero3(ZeroDataParallel):
         if b.gathered or b.work is not None:
             return
         b.param_flat.untyped_storage().resize_(b.nbytes)
+        shard = b.param_shard
+        if self.offload != "none":
+            # Host -> device into this rank's slot of the full buffer, then gather in place (as ZeRO-1 does).
+            shard = b.param_flat[b.shard[0]:b.shard[1]]
+            shard.copy_(b.param_shard, non_blocking=True)
         with comm("zero.all_gather"):
-            b.work = _all_gather(b.param_flat, b.param_shard, group=self.group, async_op=True)
+            b.work = _all_gather(b.param_flat, shard, group=self.group, async_op=True)
 
     def _gather(self, b) -> None:
         self._start_gather(b)

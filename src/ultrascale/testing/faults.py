@@ -34,6 +34,11 @@ FAULTS = {
     "all-to-all-backward-dropped": "the dispatch all-to-all's backward returns no gradient to the tokens",
     "all-gather-backward-dropped": "the all-gather dispatch's backward returns no gradient to the tokens",
     "expert-norm-counted-per-replica": "replicated expert gradients counted once per edp replica in the norm",
+    # ZeRO-Offload (parallel/offload.py).
+    "offload-stale-moment": "offload: the first moment written back to host memory or disk a step late",
+    # DualPipeV (parallel/pipeline/runtime.py): the rule ZB-H1 can live with, wrong when a chunk mixes B and I.
+    "pp-sync-at-last-b-or-i-and-last-w": "data-parallel reduction launched at each chunk's last B or I and its "
+                                         "last W, though a full B may follow that W (or a W that B)",
     # fp16 loss scaling (train/loss_scale.py). The first is a condition, not a bug: the engine must skip
     # the step on every rank; the second adds the bug of deciding the skip on each rank alone.
     "fp16-inf-on-last-rank": "the first step's gradient overflows on the last rank only",
@@ -222,6 +227,42 @@ def _skip_decided_locally():
         yield
 
 
+@contextlib.contextmanager
+def _stale_moment():
+    """Each segment's new first moment is held back and the previous step's is stored instead
+    (what a write-back that lags its step by one does: the step itself saw the right values)."""
+    from ultrascale.parallel import offload
+
+    patches, held = [], {}
+    for cls in (offload.HostStates, offload.DiskStates):
+        segment = cls.segment
+
+        @contextlib.contextmanager
+        def late(self, slot, lo, hi, segment=segment):
+            with segment(self, slot, lo, hi) as s:
+                yield s
+                fresh = s["exp_avg"].clone()
+                s["exp_avg"].copy_(held.get((id(self), lo), s["exp_avg"].new_zeros(hi - lo)))
+                held[(id(self), lo)] = fresh
+
+        patches.append(mock.patch.object(cls, "segment", late))
+    with patches[0], patches[1]:
+        yield
+
+
+def _sync_at_last_b_or_i_and_last_w():
+    from ultrascale.parallel.pipeline.runtime import PipelineRuntime
+
+    def last_backwards(self):
+        last = {}
+        for i, a in enumerate(self.actions):
+            if a.kind in ("B", "I", "W"):
+                last[(a.kind == "W", a.chunk)] = i
+        return set(last.values())
+
+    return mock.patch.object(PipelineRuntime, "_last_backwards", last_backwards)
+
+
 # How each fault is patched in: a factory of the patch's context manager.
 _PATCHES = {
     "grads-scaled-1.01": lambda: _wrap_build_grads(lambda owner: _scale_after_finish(owner, 1.01)),
@@ -235,6 +276,8 @@ _PATCHES = {
     "expert-norm-counted-per-replica": lambda: _wrap_build_grads(_expert_norm_per_replica),
     "fp16-inf-on-last-rank": lambda: _wrap_build_grads(_inf_on_last_rank),
     "fp16-skip-decided-locally": _skip_decided_locally,
+    "pp-sync-at-last-b-or-i-and-last-w": _sync_at_last_b_or_i_and_last_w,
+    "offload-stale-moment": _stale_moment,
 }
 
 

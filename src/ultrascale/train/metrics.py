@@ -7,7 +7,10 @@ Memory is measured on the tensors themselves, not predicted:
 - activations: bytes of the distinct tensors autograd saves for backward during
   one micro-batch's forward (saved-tensor hooks, so it works on CPU too),
   parameters excluded. That is what stays alive between forward and backward.
-- allocator peak: torch.cuda.max_memory_allocated on GPU, None on CPU.
+- allocator peak: torch.cuda.max_memory_allocated on GPU, None on CPU;
+- peak_rss: the process's peak resident memory (host RAM), from the OS;
+- offloaded: under --offload, the bytes moved off the device (to host memory or
+  files), by owner; params and optim then count only what stays on the device.
 """
 
 from __future__ import annotations
@@ -45,6 +48,19 @@ def storage_bytes(tensors) -> int:
         s = t.untyped_storage()
         seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
+
+
+def peak_resident_bytes() -> int | None:
+    """This process's peak resident set size so far (what the OS held in RAM for it), or None
+    where the platform does not say. Host memory: on a GPU the tensors above live elsewhere."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def optimizer_state_tensors(opt: torch.optim.Optimizer):

@@ -9,15 +9,21 @@ import torch
 from ultrascale.config import TrainConfig
 
 
-def build_adamw(main: list[torch.Tensor], decay: list[bool], cfg: TrainConfig) -> torch.optim.AdamW:
+def build_adamw(main: list[torch.Tensor], decay: list[bool], cfg: TrainConfig, offloaded=None) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (decay[i] says which; norms and biases are not decayed).
 
     foreach=False: the per-tensor loop gives the same result whether the tensors
-    are whole parameters or ZeRO shards of them.
+    are whole parameters or ZeRO shards of them. `offloaded`: the OffloadedMain that
+    `main` belongs to under --offload, whose AdamW steps on the host (parallel/offload.py).
     """
     groups = [{"params": [p for p, d in zip(main, decay) if d], "weight_decay": cfg.weight_decay},
               {"params": [p for p, d in zip(main, decay) if not d], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if offloaded is not None:
+        from ultrascale.parallel.offload import OffloadedAdamW
+
+        return OffloadedAdamW(offloaded, groups, **hyper)
+    return torch.optim.AdamW(groups, foreach=False, **hyper)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -30,7 +30,7 @@ from ultrascale.spans import BACKWARD, FORWARD, OPTIMIZER, STEP, comm, span
 from ultrascale.train import resume
 from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
 from ultrascale.train.loss_scale import DynamicLossScaler
-from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, storage_bytes
+from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_resident_bytes, storage_bytes
 from ultrascale.train.optim import build_adamw, clip_grad_norm_, lr_at
 from ultrascale.train.peak import describe_device, run_peak
 from ultrascale.train.profile import profile_window
@@ -93,7 +93,9 @@ class Trainer:
         self.norm_shares = [getattr(p, "grad_norm_share", 1.0) * s
                             for p, s in zip(self.grads.grad_owners(), owner_shares)]
         self.loss_fn = parallel.loss_function(ctx, cfg)
-        self.opt = build_adamw(self.main.main, self.main.decay, t)
+        # --offload: the main parameters live off the device, and so does the optimizer's step.
+        offloaded = self.main if hasattr(self.main, "offloaded_bytes") else None
+        self.opt = build_adamw(self.main.main, self.main.decay, t, offloaded)
         self.meter = ActivationMeter(list(self.model.parameters()) + list(self.model.buffers()))
         self.pipeline = parallel.pipeline_runtime(self.model, ctx, cfg, self.grads, self.loss_fn, self.meter)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
@@ -221,7 +223,15 @@ class Trainer:
             "grads": storage_bytes(self.grads.grads()),
             "optim": storage_bytes(optimizer_state_tensors(self.opt)) + self.main.master_bytes(),
             "activations": self.meter.take_peak() if self.cfg.train.measure_activations else None,
+            "peak_rss": peak_resident_bytes(),
         }
+        if hasattr(self.main, "offloaded_bytes"):
+            # Off the device: the optimizer's shard (and ZeRO-3's parameter shard), in host memory or files.
+            where = self.main.where
+            mem["offloaded"] = {"to": where, "optim": mem["optim"] + self.main.offloaded_bytes(),
+                                "params": mem["params"] if self.cfg.parallel.zero == 3 else 0}
+            mem["optim"] = 0
+            mem["params"] -= mem["offloaded"]["params"]
         if self.ctx.device.type == "cuda":
             mem["allocator_peak"] = torch.cuda.max_memory_allocated(self.ctx.device)
         return mem
