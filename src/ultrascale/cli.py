@@ -50,6 +50,10 @@ TRAIN_FLAGS = [
     ("--dp-mode", "parallel", "dp_mode", str, "data parallelism: naive, overlap or bucket"),
     ("--bucket-mb", "parallel", "bucket_mb", float, "gradient bucket size in MB (bucket mode, ZeRO-1/2)"),
     ("--dp-comm-dtype", "parallel", "dp_comm_dtype", str, "fp32, or bf16 to compress the bucket all-reduce"),
+    ("--offload", "parallel", "offload", str, "ZeRO-Offload: none, cpu (optimizer states, and ZeRO-3's parameter "
+                                               "shards, in host memory; AdamW steps there) or disk (the states in "
+                                               "files under --offload-dir)"),
+    ("--offload-dir", "parallel", "offload_dir", str, "directory of --offload disk's files"),
     ("--steps", "train", "steps", int, "optimizer steps in all (a resumed run counts the saved ones)"),
     ("--seq-len", "train", "seq_len", int, "tokens per sequence"),
     ("--micro-batch", "train", "micro_batch", int, "sequences per micro-batch per data-parallel rank"),
@@ -188,7 +192,7 @@ def _precheck(cfg) -> None:
 def cmd_train(args) -> int:
     from ultrascale.distributed import failures
     from ultrascale.distributed.launch import is_worker, launch_local, launched_locally
-    from ultrascale.preflight import check_output_paths
+    from ultrascale.preflight import check_offload_dir, check_output_paths
     from ultrascale.train.startup import check_run
 
     if launched_locally():
@@ -198,6 +202,7 @@ def cmd_train(args) -> int:
         # Where the run will write, first: cheap, and a bad path costs a whole run otherwise.
         # (Under --nproc the launcher checked; under torchrun every rank checks.)
         check_output_paths(cfg.train)
+        check_offload_dir(cfg)
     world = int(os.environ["WORLD_SIZE"]) if is_worker() else cfg.train.nproc
     if is_worker() and cfg.train.nproc not in (1, world):
         raise ConfigError(f"--nproc {cfg.train.nproc} disagrees with WORLD_SIZE={world} set by the launcher")

@@ -58,6 +58,9 @@ class ParallelConfig:
     dispatch: str = "alltoall"  # expert parallelism: alltoall | allgather (parallel/expert.py)
 
     def resolve(self, world_size: int) -> "ParallelConfig":
+    # ZeRO-Offload (parallel/offload.py): none | cpu | disk; disk keeps the states in files under offload_dir.
+    offload: str = "none"
+    offload_dir: str = ""
         """Fill in dp from the world size and check the grid covers it exactly."""
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(self, name) <= 0:
@@ -99,6 +102,7 @@ class ParallelConfig:
                               f"drop --zero or raise --dp")
         if self.zero and self.dp_mode != "bucket":
             raise ConfigError(f"--zero {self.zero} is built on bucketed data parallelism: drop --dp-mode {self.dp_mode}")
+        check_offload(self)
         if self.dp_comm_dtype != "fp32" and (self.dp_mode != "bucket" or self.zero):
             raise ConfigError("--dp-comm-dtype bf16 compresses the bucket all-reduce: use it with "
                               "--dp-mode bucket and --zero 0")
@@ -334,6 +338,22 @@ def check_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
         raise ConfigError(f"--ep {ep} must divide the {model.experts} experts: each rank holds experts / ep of them")
     if parallel.zero == 3:
         raise ConfigError("--zero 3 with --ep: expert weights are not gathered per unit; use --zero 1 or 2")
+def check_offload(p: ParallelConfig) -> None:
+    """--offload moves ZeRO's shards off the device: it needs ZeRO, and disk needs a directory."""
+    if p.offload not in ("none", "cpu", "disk"):
+        raise ConfigError(f"--offload must be none, cpu or disk, got {p.offload!r}")
+    if p.offload != "none" and not p.zero:
+        raise ConfigError(f"--offload {p.offload} moves ZeRO's optimizer shards off the device: add --zero 1, 2 or 3")
+    if p.offload != "none" and p.ep > 1:
+        raise ConfigError(f"--offload {p.offload} with --ep {p.ep}: the expert weights' optimizer is not offloaded "
+                          f"yet; drop --offload or --ep")
+    if p.offload == "disk" and not p.offload_dir:
+        raise ConfigError("--offload disk keeps the optimizer states in files: add --offload-dir DIR")
+    if p.offload_dir and p.offload != "disk":
+        raise ConfigError(f"--offload-dir {p.offload_dir} is where --offload disk writes: add --offload disk "
+                          f"or drop --offload-dir")
+
+
     if parallel.cp > 1:
         # Expert gradients are summed over the expert-data-parallel group, which is carved out of dp
         # alone: the context-parallel ranks' parts of the same sequences would never be combined.
