@@ -39,13 +39,13 @@ def shard_model(ctx, cfg):
     expert parallelism (keep this rank's experts)."""
     steps = []
     if ctx.size("pp") > 1:
-        from ultrascale.parallel.pipeline.stage import keep_stages, make_linears_deferrable
+        from ultrascale.parallel.pipeline.stage import keep_stages, make_linears_deferrable, v_shaped
 
         p, v = ctx.size("pp"), cfg.parallel.pp_chunks
         pc = cfg.parallel
         steps.append(lambda model: keep_stages(model, ctx.index("pp"), p, v, pc.pp_first_stage_layers,
-                                               pc.pp_last_stage_layers))
-        if cfg.parallel.pp_schedule == "zero-bubble":
+                                               pc.pp_last_stage_layers, v_shaped(pc.pp_schedule)))
+        if cfg.parallel.pp_schedule in ("zero-bubble", "dualpipev"):  # both split backwards into I and W
             steps.append(make_linears_deferrable)
     if ctx.size("tp") > 1:
         from ultrascale.parallel.tensor import apply_tensor_parallel

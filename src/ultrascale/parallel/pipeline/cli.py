@@ -9,10 +9,11 @@ from ultrascale.errors import ConfigError
 
 def add_parser(sub) -> None:
     p = sub.add_parser("pp-schedule", help="simulate and draw a pipeline schedule (or a recorded one)")
-    p.add_argument("--schedule", default="1f1b", help="naive, afab, 1f1b, interleaved or zero-bubble")
+    p.add_argument("--schedule", default="1f1b", help="naive, afab, 1f1b, interleaved, zero-bubble or dualpipev "
+                                                        "(dualpipe: its cut-in-half V form)")
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per optimizer step")
-    p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
+    p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved; dualpipev: 2)")
     p.add_argument("--t-f", type=float, default=1.0, help="forward time of one chunk")
     p.add_argument("--t-b", type=float, default=1.0, help="input-gradient time of one chunk")
     p.add_argument("--t-w", type=float, default=1.0, help="weight-gradient time of one chunk")
@@ -50,23 +51,30 @@ def cmd_pp_schedule(args) -> int:
         print(f"recorded {name}: pp {p}, chunks {v}: measured bubble ratio {ratio:.4f}")
         title = f"{name}, pp={p}" + (f", v={v}" if v > 1 else "") + f": measured bubble {ratio:.3f}"
     else:
-        from ultrascale.parallel.pipeline.schedules import build, with_communication
+        from ultrascale.config import PP_SCHEDULE_ALIASES
+        from ultrascale.parallel.pipeline.partition import v_shaped
+        from ultrascale.parallel.pipeline.schedules import build, chunks_of, with_communication
         from ultrascale.parallel.pipeline.simulate import simulate
 
-        p, m, v = args.pp, args.micro_batches, args.chunks
+        p, m = args.pp, args.micro_batches
+        name = PP_SCHEDULE_ALIASES.get(args.schedule, args.schedule)
+        v, vshape = chunks_of(name, args.chunks), v_shaped(name)
         try:
-            actions = with_communication(build(args.schedule, p, m, v), p, v)
+            actions = with_communication(build(name, p, m, v), p, v, vshape)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        tl = simulate(actions, p, v, args.t_f, args.t_b, args.t_w, args.t_comm)
-        print(f"{args.schedule}: pp {p}, micro-batches {m}, chunks {v}")
+        tl = simulate(actions, p, v, args.t_f, args.t_b, args.t_w, args.t_comm, vshape)
+        print(f"{name}: pp {p}, micro-batches {m}, chunks {v}" + (" (in a V)" if vshape else ""))
         print(f"bubble ratio {tl.bubble_ratio:.4f} (bubble time {tl.bubble_time:g}, step time {tl.makespan:g})")
-        print(f"peak in-flight micro-batches per rank: {tl.peak_in_flight}")
+        print(f"peak in-flight micro-batches per rank: {tl.peak_in_flight}"
+              + (" (chunk activations: each 1/v of a stage's)" if v > 1 else ""))
+        # Every schedule here keeps one copy of the weights; full DualPipe would keep two per rank.
+        print(f"parameters per rank: {v} of {p * v} virtual stages, one copy")
         if args.actions:
             for r, acts in enumerate(actions):
                 print(f"rank {r}: " + " ".join(map(repr, acts)))
         spans = draw.spans_from_timeline(tl)
-        title = (f"{args.schedule}, pp={p}, m={m}" + (f", v={v}" if v > 1 else "")
+        title = (f"{name}, pp={p}, m={m}" + (f", v={v}" if v > 1 else "")
                  + f": bubble {tl.bubble_ratio:.3f}")
     if args.out:
         draw.draw(spans, title, args.out)

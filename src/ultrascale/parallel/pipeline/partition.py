@@ -8,6 +8,10 @@ are the engine's by construction.
 The model's L blocks are cut, in order, into p·v virtual stages; pipeline rank
 r holds virtual stages c·p + r (chunk c = 0..v-1). The embedding rides with
 virtual stage 0, the final norm, head and loss with virtual stage p·v - 1.
+DualPipeV places its two chunks in a V instead: rank r holds stages r and
+2p - 1 - r, so activations run down the ranks and back up, the turn at the
+bottom is a hand-off inside rank p - 1, and rank 0 holds both the embedding and
+the head.
 
   even (default)  L over p·v virtual stages, the first L mod (p·v) taking one
                   block more. With `first` / `last` given (Megatron's
@@ -96,19 +100,32 @@ def split(n_layers: int, p: int, v: int = 1, first: int = 0, last: int = 0, rule
     return tuple(out)
 
 
-def virtual_stages(rank: int, p: int, v: int) -> list[int]:
-    """Virtual stages held by pipeline rank `rank`: chunk c is stage c·p + rank."""
+def v_shaped(schedule: str) -> bool:
+    """Whether the schedule places its two chunks per rank in a V (DualPipeV) rather than in a loop."""
+    return schedule == "dualpipev"
+
+
+def virtual_stages(rank: int, p: int, v: int, vshape: bool = False) -> list[int]:
+    """Virtual stages held by pipeline rank `rank`: chunk c is stage c·p + rank (a loop),
+    or, in a V, stage rank (going down) and 2p - 1 - rank (coming back up)."""
+    if vshape:
+        return [rank, 2 * p - 1 - rank]
     return [c * p + rank for c in range(v)]
 
 
-def rank_chunks(stages, rank: int, p: int, v: int) -> list[tuple[int, ...]]:
+def rank_of_stage(stage: int, p: int, vshape: bool = False) -> int:
+    """The pipeline rank that holds a virtual stage (inverse of virtual_stages)."""
+    return 2 * p - 1 - stage if vshape and stage >= p else stage % p
+
+
+def rank_chunks(stages, rank: int, p: int, v: int, vshape: bool = False) -> list[tuple[int, ...]]:
     """Block ids of each of rank's chunks, chunk 0 first."""
-    return [stages[s] for s in virtual_stages(rank, p, v)]
+    return [stages[s] for s in virtual_stages(rank, p, v, vshape)]
 
 
 def holds_embedding(rank: int) -> bool:
     return rank == 0
 
 
-def holds_head(rank: int, p: int) -> bool:
-    return rank == p - 1
+def holds_head(rank: int, p: int, vshape: bool = False) -> bool:
+    return rank == (0 if vshape else p - 1)

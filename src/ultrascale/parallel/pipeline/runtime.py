@@ -7,6 +7,10 @@ gradient even when both travel between the same two ranks (interleaving wraps
 around from the last rank to the first). Every action's start and end are
 recorded, so a real step can be drawn like a simulated one.
 
+In a V (DualPipeV) a chunk's neighbour may sit on either side, or on the rank
+itself: at the turn of the V, rank p-1 hands its chunk 0's output to its chunk 1
+(and the gradient back) through a local mailbox instead of a message.
+
 Gradients: every backward runs inside the gradient owner's `no_sync()` except
 the last one of each chunk (for zero-bubble: its last I and last W), so data
 parallelism reduces once per optimizer step, after the last backward.
@@ -20,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ultrascale.parallel.pipeline.partition import rank_of_stage, v_shaped
 from ultrascale.parallel.pipeline.schedules import schedule, stage_of
 from ultrascale.parallel.pipeline.stage import (
     StageChunk,
@@ -39,13 +44,14 @@ class PipelineRuntime:
         self.p, self.v, self.rank = ctx.size("pp"), pc.pp_chunks, ctx.index("pp")
         self.m, self.seq_len = t.grad_accum, t.seq_len
         self.measure = t.measure_activations
-        ranks = ctx.group_ranks["pp"]
-        self.prev, self.next = ranks[(self.rank - 1) % self.p], ranks[(self.rank + 1) % self.p]
-        self.last_rank = ranks[-1]
+        self.vshape = v_shaped(pc.pp_schedule)
+        self.ranks = ctx.group_ranks["pp"]
         layers = split_layers(cfg.model.layers, self.p, self.v, pc.pp_first_stage_layers, pc.pp_last_stage_layers)
         last = self.p * self.v - 1
+        self.last_rank = self.ranks[rank_of_stage(last, self.p, self.vshape)]  # holds the loss
         self.chunks = [StageChunk(model, layers[s], s == 0, s == last)
-                       for s in virtual_stages(self.rank, self.p, self.v)]
+                       for s in virtual_stages(self.rank, self.p, self.v, self.vshape)]
+        self.mailbox: dict = {}  # the V's turn: (kind, micro, destination stage) -> tensor
         self.actions = schedule(pc.pp_schedule, self.p, self.m, self.v)[self.rank]
         self.synced = self._last_backwards()
         # What travels between stages: this rank's shard of the sequence (cp), cut again by tp under SP.
@@ -56,17 +62,46 @@ class PipelineRuntime:
         self.weight_grads: dict = {}  # zero-bubble: what each I left for its W
 
     def _last_backwards(self) -> set:
-        """Indices of the actions that must communicate gradients: the last backward of each chunk."""
+        """Indices of the actions that must communicate gradients: per chunk, the last that adds to
+        the linear weights (a B or a W) and the last that adds to the other parameters (a B or an I).
+        DualPipeV mixes full and split backwards on one chunk, so either may come last."""
         last = {}
         for i, a in enumerate(self.actions):
-            if a.kind in ("B", "I", "W"):
-                last[(a.kind in ("W",), a.chunk)] = i
+            if a.kind in ("B", "W"):
+                last[("linear", a.chunk)] = i
+            if a.kind in ("B", "I"):
+                last[("other", a.chunk)] = i
         return set(last.values())
 
     def _tag(self, micro: int, dest_stage: int, kind: str) -> int:
         """Named by where the message goes, so sender and receiver agree even across the
         wrap from the last rank's chunk c to the first rank's chunk c + 1."""
         return ((micro * self.p * self.v + dest_stage) * 2 + (kind == "B")) + 1
+
+    def _peer(self, stage: int) -> int | None:
+        """Global rank holding a virtual stage; None when it is this rank (the V's turn)."""
+        r = rank_of_stage(stage, self.p, self.vshape)
+        return None if r == self.rank else self.ranks[r]
+
+    def _send(self, tensor, stage: int, kind: str, micro: int, sends: list) -> None:
+        peer = self._peer(stage)
+        if peer is None:
+            self._hand_off(kind, micro, stage, tensor)
+            return
+        with comm("pp.send"):
+            sends.append((dist.isend(tensor, dst=peer, tag=self._tag(micro, stage, kind)), tensor))
+
+    def _recv(self, stage: int, kind: str, micro: int, src_stage: int):
+        peer = self._peer(src_stage)
+        if peer is None:
+            return self.mailbox.pop((kind, micro, stage))
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.ctx.device)
+        with comm("pp.recv"):
+            dist.recv(buf, src=peer, tag=self._tag(micro, stage, kind))
+        return buf
+
+    def _hand_off(self, kind: str, micro: int, stage: int, tensor) -> None:
+        self.mailbox[(kind, micro, stage)] = tensor
 
     def run(self, micro_batches) -> float:
         """Forward and backward of every micro-batch (inputs, targets, positions); returns the mean
@@ -77,25 +112,15 @@ class PipelineRuntime:
         t0 = time.perf_counter()
         for i, a in enumerate(self.actions):
             start = time.perf_counter()
-            key, stage = (a.micro, a.chunk), stage_of(self.rank, a.chunk, self.p)
+            key, stage = (a.micro, a.chunk), stage_of(self.rank, a.chunk, self.p, self.vshape)
             if a.kind == "RECV_F":
-                buf = torch.empty(self.shape, dtype=self.dtype, device=self.ctx.device)
-                with comm("pp.recv"):
-                    dist.recv(buf, src=self.prev, tag=self._tag(a.micro, stage, "F"))
-                inputs[key] = buf.requires_grad_()
+                inputs[key] = self._recv(stage, "F", a.micro, stage - 1).detach().requires_grad_()
             elif a.kind == "RECV_B":
-                buf = torch.empty(self.shape, dtype=self.dtype, device=self.ctx.device)
-                with comm("pp.recv"):
-                    dist.recv(buf, src=self.next, tag=self._tag(a.micro, stage, "B"))
-                recv_grad[key] = buf
+                recv_grad[key] = self._recv(stage, "B", a.micro, stage + 1)
             elif a.kind == "SEND_F":
-                out = outputs[key].detach()
-                with comm("pp.send"):
-                    sends.append((dist.isend(out, dst=self.next, tag=self._tag(a.micro, stage + 1, "F")), out))
+                self._send(outputs[key].detach(), stage + 1, "F", a.micro, sends)
             elif a.kind == "SEND_B":
-                grad = inputs.pop(key).grad
-                with comm("pp.send"):
-                    sends.append((dist.isend(grad, dst=self.prev, tag=self._tag(a.micro, stage - 1, "B")), grad))
+                self._send(inputs.pop(key).grad, stage - 1, "B", a.micro, sends)
             elif a.kind == "F":
                 chunk = self.chunks[a.chunk]
                 x = micro_batches[a.micro][0] if chunk.first else inputs[key]

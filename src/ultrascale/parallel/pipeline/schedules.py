@@ -7,6 +7,9 @@ that returns one list of `Action`s per rank. The same lists are drawn, simulated
 Virtual stages: with v chunks per rank, the model is cut into p*v pieces; chunk
 c of rank r is virtual stage c*p + r (Megatron's interleaving), so activations
 go rank 0 -> 1 -> ... -> p-1 -> 0 (next chunk) -> ... With v = 1 a rank is a stage.
+DualPipeV's two chunks sit in a V (partition.virtual_stages): chunk 0 of rank r
+is stage r, chunk 1 is stage 2p-1-r, so activations go 0 -> ... -> p-1, turn
+inside rank p-1, and come back p-1 -> ... -> 0, where the loss is.
 
 Compute actions: F (forward), B (full backward), or B split into I (gradient of
 the input, which the previous stage waits for) and W (gradient of the weights,
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ultrascale.config import PP_SCHEDULES
+from ultrascale.config import PP_SCHEDULE_ALIASES, PP_SCHEDULES
+from ultrascale.parallel.pipeline.partition import v_shaped
 
 SCHEDULES = PP_SCHEDULES  # the names the configuration accepts, each built below
 
@@ -34,8 +38,8 @@ class Action(NamedTuple):
         return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
 
 
-def stage_of(rank: int, chunk: int, p: int) -> int:
-    return chunk * p + rank
+def stage_of(rank: int, chunk: int, p: int, vshape: bool = False) -> int:
+    return 2 * p - 1 - rank if vshape and chunk == 1 else chunk * p + rank
 
 
 def naive(p: int, m: int, rank: int) -> list[Action]:
@@ -119,12 +123,81 @@ def interleaved(p: int, m: int, rank: int, v: int) -> list[Action]:
     return acts + [backward_step(k) for k in range(total - warmup, total)]
 
 
+def dualpipe_v(p: int, m: int, rank: int) -> list[Action]:
+    """DualPipeV (DeepSeek's DualPipe cut in half, Sea AI Lab 2025): two chunks per rank in a V,
+    chunk 0 going down the ranks and chunk 1 coming back up; m >= 2p micro-batches.
+
+    Transcribed phase by phase from deepseek-ai/DualPipe's dualpipev.py. Its steady
+    state (phase 4) pairs the forward of one micro-batch on one chunk with the
+    backward of another on the other chunk (F0 with B1, then F1 with B0): on a GPU
+    the pair runs as one overlapped step, each one's communication hidden behind
+    the other's compute. Around it, backwards are split into I and W where a W can
+    fill a wait (phases 3, 6, 7, 8), the weight gradients taken first in, first out.
+    Bubble (p-1)(F&B + B - 3W) for 2p stages, F&B the time of one overlapped pair,
+    where 1F1B on the same 2p stages (two ranks' worth) pays (2p-1)(F + B).
+    """
+    acts: list[Action] = []
+    f, b, waiting_w = [0, 0], [0, 0], []
+
+    def forward(c):
+        acts.append(Action("F", f[c], c))
+        f[c] += 1
+
+    def backward(c, split=False):
+        k = b[c]
+        b[c] += 1
+        acts.append(Action("I" if split else "B", k, c))
+        if split:
+            waiting_w.append((k, c))
+
+    def weight():
+        acts.append(Action("W", *waiting_w.pop(0)))
+
+    for _ in range(2 * (p - rank - 1)):  # 1: the forward chunk fills the V's left arm
+        forward(0)
+    for _ in range(rank + 1):  # 2: forwards on both arms
+        forward(0)
+        forward(1)
+    for _ in range(p - rank - 1):  # 3: the first backwards, their W at once
+        backward(1, split=True)
+        weight()
+        forward(1)
+    for _ in range(m - 2 * p + rank + 1):  # 4: the steady state, forward and backward in pairs
+        forward(0)
+        backward(1)
+        forward(1)
+        backward(0)
+    for _ in range(p - rank - 1):  # 5: the right arm's last forwards
+        backward(1)
+        forward(1)
+        backward(0)
+    split, n = False, rank + 1
+    for i in range(n):  # 6: backwards only; the second half leaves W for later
+        split = split or (i == n // 2 and rank % 2 == 1)
+        backward(1, split)
+        split = split or (i == n // 2 and rank % 2 == 0)
+        backward(0, split)
+    for _ in range(p - rank - 1):  # 7: a W in each wait for the next gradient
+        weight()
+        backward(0, split=True)
+    while waiting_w:  # 8: the remaining W (rank + 1 of them)
+        weight()
+    return acts
+
+
 def build(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """Compute actions per rank (no communication), checked for a valid (p, m, v)."""
+    name = PP_SCHEDULE_ALIASES.get(name, name)
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError("pipeline size, micro-batches and chunks must be positive")
+    if name == "dualpipev":
+        if v not in (1, 2):
+            raise ValueError(f"the dualpipev schedule holds exactly 2 chunks per rank, got --chunks {v}")
+        if m < 2 * p:
+            raise ValueError(f"the dualpipev schedule needs at least 2 x pp = {2 * p} micro-batches, got {m}")
+        return [dualpipe_v(p, m, r) for r in range(p)]
     if v > 1 and name != "interleaved":
         raise ValueError(f"--pp-chunks {v} needs the interleaved schedule")
     if name == "interleaved":
@@ -138,14 +211,20 @@ def build(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     return [fn(p, m, r) for r in range(p)]
 
 
-def with_communication(actions: list[list[Action]], p: int, v: int) -> list[list[Action]]:
-    """Insert the sends and receives each compute action needs."""
+def chunks_of(name: str, v: int = 1) -> int:
+    """Model chunks per rank: v, or the two of DualPipeV's V."""
+    return 2 if v_shaped(PP_SCHEDULE_ALIASES.get(name, name)) else v
+
+
+def with_communication(actions: list[list[Action]], p: int, v: int, vshape: bool = False) -> list[list[Action]]:
+    """Insert the sends and receives each compute action needs (in a V, the turn from stage
+    p-1 to stage p is a send and a receive on the same rank: a hand-off, no message)."""
     last = p * v - 1
     out = []
     for rank, acts in enumerate(actions):
         seq = []
         for a in acts:
-            stage = stage_of(rank, a.chunk, p)
+            stage = stage_of(rank, a.chunk, p, vshape)
             if a.kind == "F":
                 seq += [Action("RECV_F", a.micro, a.chunk)] if stage > 0 else []
                 seq.append(a)
@@ -162,4 +241,5 @@ def with_communication(actions: list[list[Action]], p: int, v: int) -> list[list
 
 def schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """The full action lists, communication included, one per rank."""
-    return with_communication(build(name, p, m, v), p, v)
+    name = PP_SCHEDULE_ALIASES.get(name, name)
+    return with_communication(build(name, p, m, v), p, chunks_of(name, v), v_shaped(name))

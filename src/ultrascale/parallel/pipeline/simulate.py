@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ultrascale.parallel.pipeline.partition import rank_of_stage
 from ultrascale.parallel.pipeline.schedules import Action, stage_of
 
 COMPUTE = ("F", "B", "I", "W")
@@ -51,7 +52,8 @@ def peak_in_flight(actions: list[Action]) -> int:
 
 
 def simulate(actions: list[list[Action]], p: int, v: int = 1, t_f: float = 1.0, t_b: float = 1.0,
-             t_w: float = 1.0, t_comm: float = 0.0) -> Timeline:
+             t_w: float = 1.0, t_comm: float = 0.0, vshape: bool = False) -> Timeline:
+    """vshape: the chunks sit in a V (DualPipeV), as with_communication was told."""
     cost = {"F": t_f, "B": t_b + t_w, "I": t_b, "W": t_w}
     sent: dict[tuple, float] = {}  # (kind, micro, virtual stage) -> time the message is available
     clock = [0.0] * p
@@ -63,7 +65,7 @@ def simulate(actions: list[list[Action]], p: int, v: int = 1, t_f: float = 1.0, 
         for r in range(p):
             while pos[r] < len(actions[r]):
                 a = actions[r][pos[r]]
-                stage = stage_of(r, a.chunk, p)
+                stage = stage_of(r, a.chunk, p, vshape)
                 if a.kind == "RECV_F":
                     key = ("F", a.micro, stage - 1)
                 elif a.kind == "RECV_B":
@@ -75,7 +77,9 @@ def simulate(actions: list[list[Action]], p: int, v: int = 1, t_f: float = 1.0, 
                         break  # blocked until the sender gets there
                     clock[r] = max(clock[r], sent[key])
                 elif a.kind in ("SEND_F", "SEND_B"):
-                    sent[(a.kind[-1], a.micro, stage)] = clock[r] + t_comm
+                    dest = stage + 1 if a.kind == "SEND_F" else stage - 1
+                    local = rank_of_stage(dest, p, vshape) == r  # the V's turn: no message
+                    sent[(a.kind[-1], a.micro, stage)] = clock[r] + (0.0 if local else t_comm)
                 else:
                     start = clock[r]
                     clock[r] += cost[a.kind]

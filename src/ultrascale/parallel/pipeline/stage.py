@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ultrascale.parallel.pipeline.partition import split, virtual_stages  # noqa: F401 (virtual_stages: re-exported)
+from ultrascale.parallel.pipeline.partition import split, v_shaped, virtual_stages  # noqa: F401 (re-exported)
 
 
 def split_layers(n_layers: int, p: int, v: int = 1, first: int = 0, last: int = 0) -> list[list[int]]:
@@ -25,9 +25,9 @@ def split_layers(n_layers: int, p: int, v: int = 1, first: int = 0, last: int = 
     return [list(ids) for ids in split(n_layers, p, v, first, last)]
 
 
-def keep_stages(model, rank: int, p: int, v: int, first: int = 0, last: int = 0):
+def keep_stages(model, rank: int, p: int, v: int, first: int = 0, last: int = 0, vshape: bool = False):
     layers = split_layers(len(model.layers), p, v, first, last)
-    mine = virtual_stages(rank, p, v)
+    mine = virtual_stages(rank, p, v, vshape)
     keep = {str(i) for s in mine for i in layers[s]}
     for name in list(model.layers.keys()):
         if name not in keep:
