@@ -34,7 +34,7 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, data
 # String flags by what their value names. A path that must exist, one the run writes, or a
 # name from a closed set; anything else must be listed here with the reason it has no wrong value.
 INPUTS = {"--config", "--data", "--tokenizer", "--resume", "--init-from"}
-OUTPUTS = {"--save", "--log-jsonl", "--pp-trace", "--profile", "--tensorboard"}
+OUTPUTS = {"--save", "--log-jsonl", "--pp-trace", "--profile", "--tensorboard", "--offload-dir"}
 ANY_TEXT = {
     "--data-column": "a column of a Hugging Face dataset: any name may be one, checked when the dataset loads",
     "--data-split": "a split of a Hugging Face dataset: likewise",
@@ -140,6 +140,39 @@ def test_wrong_flag_values_are_one_line_before_any_work(data, where, no_runs):
     for a in chosen:
         args += [a.option_strings[0], data.draw(_wrong_value(a, where), label=a.option_strings[0])]
     _assert_refused(args, where, sorted(os.listdir(where)))
+
+
+OFFLOAD = ["train", "--dp", "2", "--nproc", "2", "--zero", "1"]
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--offload", "disk", "--offload-dir", "a-file"], "is not a directory"),
+    (["--offload", "disk", "--offload-dir", "a-file/x"], "is a file, not a directory"),
+    (["--offload", "disk"], "add --offload-dir DIR"),
+    (["--offload-dir", "states"], "add --offload disk"),
+    (["--offload", "gpu"], "must be none, cpu or disk"),
+], ids=["dir-is-a-file", "under-a-file", "no-dir", "dir-without-disk", "unknown-tier"])
+def test_offload_mistakes_are_one_line(args, says, where, no_runs):
+    args = [os.path.join(where, a) if a.startswith(("a-file", "states")) else a for a in args]
+    _assert_refused(OFFLOAD + args, where, sorted(os.listdir(where)))
+    assert says in _run(OFFLOAD + args)[1][0]
+
+
+def test_offload_without_zero_is_one_line(where, no_runs):
+    _assert_refused(["train", "--dp", "2", "--nproc", "2", "--offload", "cpu"], where, sorted(os.listdir(where)))
+
+
+def test_an_offload_dir_without_room_for_the_states_is_one_line(where, no_runs, monkeypatch):
+    # The tiny model's states are 12 bytes x 106,944 parameters = 1.2 MiB; the disk says 1 MiB is free.
+    import shutil
+
+    from ultrascale import preflight
+
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**40, 2**40, 2**20))
+    args = OFFLOAD + ["--offload", "disk", "--offload-dir", os.path.join(where, "states")]
+    _assert_refused(args, where, sorted(os.listdir(where)))
+    line = _run(args)[1][0]
+    assert "the optimizer states need 1.2 MiB and" in line and "has 1.0 MiB free" in line, line
 
 
 # -- the TOML file ----------------------------------------------------------------

@@ -107,5 +107,9 @@ def check_offload_dir(cfg) -> None:
     where = _nearest_existing(os.path.abspath(p.offload_dir))
     need, free = offload_bytes(cfg.model), shutil.disk_usage(where).free
     if need > free:
-        raise ConfigError(f"--offload-dir {p.offload_dir}: the optimizer states need {need / 2**30:.1f} GiB and "
-                          f"{where} has {free / 2**30:.1f} GiB free: free space there or choose another directory")
+        raise ConfigError(f"--offload-dir {p.offload_dir}: the optimizer states need {_size(need)} and {where} "
+                          f"has {_size(free)} free: free space there or choose another directory")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
