@@ -9,6 +9,7 @@ import pytest
 
 from ultrascale.config import ConfigError, ParallelConfig, RunConfig, TrainConfig, validate
 from ultrascale.model import get_preset
+from ultrascale.parallel.pipeline.partition import v_shaped
 from ultrascale.parallel.pipeline.schedules import SCHEDULES, build, schedule
 from ultrascale.parallel.pipeline.simulate import simulate
 from ultrascale.testing.cli import ultrascale
@@ -17,11 +18,13 @@ from ultrascale.testing.compare import RunRecord, assert_matches, compare, train
 
 # -- the schedules ---------------------------------------------------------------
 def valid(name, p, m, v):
+    if name == "dualpipev":
+        return v == 2 and m >= 2 * p
     return not (name == "interleaved" and m % p) and (v == 1 or name == "interleaved")
 
 
 GRID = [(name, p, m, v) for name in SCHEDULES for p in (1, 2, 3, 4) for m in range(1, 9)
-        for v in ((1, 2, 3) if name == "interleaved" else (1,)) if valid(name, p, m, v)]
+        for v in ({"interleaved": (1, 2, 3), "dualpipev": (2,)}.get(name, (1,))) if valid(name, p, m, v)]
 
 
 @pytest.mark.parametrize("name,p,m,v", GRID)
@@ -43,7 +46,7 @@ def test_every_pass_runs_once_in_a_valid_order(name, p, m, v):
                 seen.add(("I", a.micro, a.chunk))
             elif a.kind == "W":
                 assert ("I", a.micro, a.chunk) in seen
-    simulate(schedule(name, p, m, v), p, v)  # raises if the ranks would deadlock
+    simulate(schedule(name, p, m, v), p, v, vshape=v_shaped(name))  # raises if the ranks would deadlock
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
@@ -67,6 +70,38 @@ def test_zero_bubble_h1_has_a_third_of_the_1f1b_bubble(p, m):
     # Qi et al.: (p-1)(T_F + T_B - T_W) against (p-1)(T_F + T_B + T_W), with all three equal.
     assert zb.bubble_time == (p - 1) * (1 + 1 - 1)
     assert one.bubble_time == (p - 1) * (1 + 1 + 1)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 9), (3, 6), (4, 8), (4, 13), (8, 16)])
+@pytest.mark.parametrize("t_f,t_b,t_w", [(1, 1, 1), (2, 2, 1), (1, 1, 0.5), (3, 2, 1), (1, 1, 0)])
+def test_dualpipe_v_bubble_and_memory(p, m, t_f, t_b, t_w):
+    # Costs are per chunk, half a stage of 1F1B on the same p ranks. While a chunk's input gradient
+    # costs no more than its forward, the V's bubble is (p-1)(t_f + t_b - t_w) whatever m is: ZB-H1's
+    # form with half-stage costs, so half ZB-H1's bubble on the same p ranks and a sixth of 1F1B's
+    # at equal costs.
+    tl = simulate(schedule("dualpipe", p, m), p, 2, t_f, t_b, t_w, vshape=True)
+    assert tl.bubble_time == pytest.approx((p - 1) * (t_f + t_b - t_w))
+    # Activations: 2p + 1 chunks' worth on every rank (DeepSeek's table: PP + 1 for its 2p stages),
+    # against 1F1B's p - rank stages' worth (= 2(p - rank) chunks).
+    assert tl.peak_in_flight == [2 * p + 1] * p
+    if (t_f, t_b, t_w) == (1, 1, 1):
+        one, zb = simulate(schedule("1f1b", p, m), p, t_f=2, t_b=2, t_w=2), simulate(schedule("zero-bubble", p, m), p,
+                                                                                        t_f=2, t_b=2, t_w=2)
+        assert (one.bubble_time, zb.bubble_time) == (6 * (p - 1), 2 * (p - 1 + max(0, p - m)))
+        assert tl.bubble_time == one.bubble_time / 6 and tl.makespan - tl.bubble_time == one.makespan - one.bubble_time
+
+
+def test_dualpipe_v_runs_down_and_back_up_the_ranks():
+    from ultrascale.parallel.pipeline.partition import holds_head, rank_of_stage, virtual_stages
+
+    assert [virtual_stages(r, 4, 2, vshape=True) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [rank_of_stage(s, 4, vshape=True) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert holds_head(0, 4, vshape=True) and not holds_head(3, 4, vshape=True)
+    # The turn from stage 3 to stage 4 is a hand-off inside rank 3: its message costs nothing.
+    free, slow = (simulate(schedule("dualpipev", 4, 8), 4, 2, t_comm=c, vshape=True) for c in (0, 0.5))
+    assert slow.makespan > free.makespan
+    last_rank = [a for a in schedule("dualpipev", 4, 8)[3] if a.kind == "SEND_F" and a.chunk == 0]
+    assert len(last_rank) == 8  # every micro-batch turns there
 
 
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 3), (8, 16)])
@@ -119,6 +154,7 @@ RUNS = [  # (world, pp, schedule, m, v, tp, zero)
     (4, 4, "zero-bubble", 3, 1, 1, 0), (4, 4, "zero-bubble", 8, 1, 1, 0),
     (4, 2, "1f1b", 4, 1, 1, 0), (4, 2, "interleaved", 4, 2, 1, 0), (4, 2, "1f1b", 4, 1, 1, 1),  # with dp 2
     (4, 2, "1f1b", 4, 1, 2, 0), (4, 2, "zero-bubble", 4, 1, 2, 0), (4, 2, "interleaved", 2, 2, 2, 0),  # tp 2
+    (2, 2, "dualpipev", 4, 2, 1, 0), (4, 4, "dualpipev", 8, 2, 1, 0), (4, 2, "dualpipev", 5, 2, 1, 0),  # DualPipeV
 ]
 
 
@@ -136,6 +172,18 @@ def test_matches_the_single_process_run(world, pp, name, m, v, tp, zero):
     per_rank = train_parallel(cfg, world)
     for rank, got in enumerate(per_rank):
         assert_matches(compare(_label(world, pp, name, m, v, tp, zero), ref, got, record=rank == 0))
+
+
+@pytest.mark.equivalence
+def test_dualpipe_v_reducing_gradients_too_early_fails_the_check():
+    # The rule that serves ZB-H1 (reduce after each chunk's last B-or-I and its last W) is wrong in the
+    # V: there a full B of a chunk can come after a W of the same chunk, or the other way round.
+    from ultrascale.testing.compare import FP32, compare_against_single
+
+    cfg = config(4, 2, "dualpipe", 5, 2)
+    c = compare_against_single(_label(4, 2, "dualpipev", 5, 2, 1, 0), cfg, 4,
+                               fault="pp-sync-at-last-b-or-i-and-last-w")[0]
+    assert c.failures(FP32), f"the check passed DualPipeV with gradients reduced too early: {c.line()}"
 
 
 def test_split_with_fewer_blocks_on_the_first_and_last_stages():
@@ -181,6 +229,9 @@ def test_fewer_blocks_on_the_first_stage_matches_the_single_process_run():
     (ParallelConfig(pp=2, pp_first_stage_layers=4), 4, 2, "at least one block"),
     (ParallelConfig(pp=1, pp_last_stage_layers=1), 4, 2, "need --pp > 1"),
     (ParallelConfig(pp=2, pp_first_stage_layers=-1), 4, 2, "must be 0"),
+    (ParallelConfig(pp=2, pp_schedule="dualpipe"), 8, 3, "at least 2 x pp = 4 micro-batches"),
+    (ParallelConfig(pp=2, pp_schedule="dualpipev", pp_chunks=3), 8, 4, "each rank holds exactly two chunks"),
+    (ParallelConfig(pp=4, pp_schedule="dualpipe"), 6, 8, "8 stages but the model has 6 layers"),
 ])
 def test_layouts_that_cannot_work(parallel, layers, grad_accum, message):
     world = (parallel.dp or 1) * parallel.pp
@@ -193,12 +244,12 @@ def test_layouts_that_cannot_work(parallel, layers, grad_accum, message):
 
 
 
-def test_pp_schedule_prints_the_bubble_and_draws_it(tmp_path):
+@pytest.mark.parametrize("args,bubble", [(("interleaved", "--chunks", "2"), "0.1875"), (("dualpipe",), "0.0625")])
+def test_pp_schedule_prints_the_bubble_and_draws_it(tmp_path, args, bubble):
     out = tmp_path / "s.png"
-    r = ultrascale("pp-schedule", "--schedule", "interleaved", "--pp", "4", "--micro-batches", "8", "--chunks", "2",
-                   "--out", str(out))
+    r = ultrascale("pp-schedule", "--schedule", *args, "--pp", "4", "--micro-batches", "8", "--out", str(out))
     assert r.returncode == 0, r.stderr
-    assert "bubble ratio 0.1875" in r.stdout
+    assert f"bubble ratio {bubble}" in r.stdout  # dualpipe: 3 idle chunk-units of 48 (8 micro-batches x 2 chunks x 3)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
