@@ -26,7 +26,9 @@ __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "RunConfig", "TrainCo
 
 CP_ATTENTION = ("allgather", "ring", "zigzag", "ulysses")
 # The pipeline schedules parallel/pipeline/schedules.py builds, by name.
-PP_SCHEDULES = ("naive", "afab", "1f1b", "interleaved", "zero-bubble")
+PP_SCHEDULES = ("naive", "afab", "1f1b", "interleaved", "zero-bubble", "dualpipev")
+# DualPipe is run in its single-copy, cut-in-half form (DualPipeV): `dualpipe` names it too.
+PP_SCHEDULE_ALIASES = {"dualpipe": "dualpipev"}
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,8 @@ class ParallelConfig:
     sp: bool = False  # sequence parallelism: shard norms and residuals along the sequence in the TP group
     # Context parallelism's attention: allgather | ring | zigzag | ulysses (parallel/context/).
     cp_attention: str = "ring"
-    pp_schedule: str = "1f1b"  # naive | afab | 1f1b | interleaved | zero-bubble
-    pp_chunks: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    pp_schedule: str = "1f1b"  # naive | afab | 1f1b | interleaved | zero-bubble | dualpipev (alias dualpipe)
+    pp_chunks: int = 1  # model chunks per pipeline rank (interleaved; dualpipev: always 2, in a V)
     # Blocks of the first / last pipeline stage (0: the even split). Fewer there leave room for the
     # embedding and for the head and its logits (Megatron's --decoder-first/last-pipeline-num-layers).
     pp_first_stage_layers: int = 0
@@ -56,11 +58,11 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # PyTorch DDP's default bucket_cap_mb
     dp_comm_dtype: str = "fp32"  # fp32 | bf16 (compress the bucket all-reduce; changes numerics)
     dispatch: str = "alltoall"  # expert parallelism: alltoall | allgather (parallel/expert.py)
-
-    def resolve(self, world_size: int) -> "ParallelConfig":
     # ZeRO-Offload (parallel/offload.py): none | cpu | disk; disk keeps the states in files under offload_dir.
     offload: str = "none"
     offload_dir: str = ""
+
+    def resolve(self, world_size: int) -> "ParallelConfig":
         """Fill in dp from the world size and check the grid covers it exactly."""
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(self, name) <= 0:
@@ -106,7 +108,10 @@ class ParallelConfig:
         if self.dp_comm_dtype != "fp32" and (self.dp_mode != "bucket" or self.zero):
             raise ConfigError("--dp-comm-dtype bf16 compresses the bucket all-reduce: use it with "
                               "--dp-mode bucket and --zero 0")
-        return replace(self, dp=dp)
+        schedule = PP_SCHEDULE_ALIASES.get(self.pp_schedule, self.pp_schedule)
+        if schedule == "dualpipev" and self.pp_chunks in (1, 2):
+            return replace(self, dp=dp, pp_schedule=schedule, pp_chunks=2)  # its two chunks per rank are implied
+        return replace(self, dp=dp, pp_schedule=schedule)
 
 
 @dataclass(frozen=True)
@@ -220,8 +225,8 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
     if t.fp8 and cfg.parallel.tp > 1:
         raise ConfigError(f"--fp8 with --tp {cfg.parallel.tp}: the tensor-parallel layers are not nn.Linear, so "
                           f"torchao's FP8 would not reach them; run --fp8 with --tp 1 (dp, ZeRO, pp, cp compose)")
-    if t.fp8 and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero-bubble":
-        raise ConfigError("--fp8 with --pp-schedule zero-bubble: FP8 layers would replace the deferrable linears "
+    if t.fp8 and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in ("zero-bubble", "dualpipev", "dualpipe"):
+        raise ConfigError(f"--fp8 with --pp-schedule {cfg.parallel.pp_schedule}: FP8 layers would replace the deferrable linears "
                           "that split the weight gradients; use another --pp-schedule")
     if t.fp8 and t.compile:
         raise ConfigError("--fp8 with --compile: not validated together yet; drop one of them")
@@ -303,7 +308,10 @@ def check_pipeline(cfg: RunConfig, parallel: ParallelConfig) -> None:
         raise ConfigError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {parallel.pp_schedule!r}")
     if v < 1:
         raise ConfigError(f"--pp-chunks must be positive, got {v}")
-    if v > 1 and parallel.pp_schedule != "interleaved":
+    if parallel.pp_schedule == "dualpipev" and v != 2:
+        raise ConfigError(f"--pp-chunks {v} with --pp-schedule dualpipev: each rank holds exactly two chunks "
+                          f"(a V); drop --pp-chunks")
+    if v > 1 and parallel.pp_schedule not in ("interleaved", "dualpipev"):
         raise ConfigError(f"--pp-chunks {v} needs --pp-schedule interleaved")
     if pp * v > cfg.model.layers:
         raise ConfigError(f"--pp {pp} x --pp-chunks {v} = {pp * v} stages but the model has {cfg.model.layers} "
@@ -319,6 +327,9 @@ def check_pipeline(cfg: RunConfig, parallel: ParallelConfig) -> None:
     if parallel.pp_schedule == "interleaved" and m % pp:
         raise ConfigError(f"the interleaved schedule takes micro-batches in groups of pp = {pp}: "
                           f"make --grad-accum (the micro-batches) a multiple of {pp}")
+    if parallel.pp_schedule == "dualpipev" and m < 2 * pp:
+        raise ConfigError(f"the dualpipev schedule needs at least 2 x pp = {2 * pp} micro-batches to fill its V, "
+                          f"got --grad-accum {m}: raise --grad-accum")
     if parallel.zero >= 2:
         raise ConfigError(f"--zero {parallel.zero} with --pp: stage {parallel.zero} would re-shard every "
                           f"micro-batch; pipeline parallelism composes with --zero 1")
@@ -327,17 +338,6 @@ def check_pipeline(cfg: RunConfig, parallel: ParallelConfig) -> None:
                           "use an untied model")
 
 
-def check_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
-    ep = parallel.ep
-    if ep == 1:
-        return
-    if not model.is_moe:
-        raise ConfigError(f"--ep {ep} spreads experts over ranks, but model {model.name} is dense: "
-                          f"pick an MoE model (--model tiny-moe) or pass --experts")
-    if model.experts % ep:
-        raise ConfigError(f"--ep {ep} must divide the {model.experts} experts: each rank holds experts / ep of them")
-    if parallel.zero == 3:
-        raise ConfigError("--zero 3 with --ep: expert weights are not gathered per unit; use --zero 1 or 2")
 def check_offload(p: ParallelConfig) -> None:
     """--offload moves ZeRO's shards off the device: it needs ZeRO, and disk needs a directory."""
     if p.offload not in ("none", "cpu", "disk"):
@@ -354,6 +354,17 @@ def check_offload(p: ParallelConfig) -> None:
                           f"or drop --offload-dir")
 
 
+def check_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
+    ep = parallel.ep
+    if ep == 1:
+        return
+    if not model.is_moe:
+        raise ConfigError(f"--ep {ep} spreads experts over ranks, but model {model.name} is dense: "
+                          f"pick an MoE model (--model tiny-moe) or pass --experts")
+    if model.experts % ep:
+        raise ConfigError(f"--ep {ep} must divide the {model.experts} experts: each rank holds experts / ep of them")
+    if parallel.zero == 3:
+        raise ConfigError("--zero 3 with --ep: expert weights are not gathered per unit; use --zero 1 or 2")
     if parallel.cp > 1:
         # Expert gradients are summed over the expert-data-parallel group, which is carved out of dp
         # alone: the context-parallel ranks' parts of the same sequences would never be combined.
