@@ -3,6 +3,7 @@ as if never interrupted; and what a resume checks."""
 
 import functools
 import os
+import tempfile
 
 import pytest
 import torch
@@ -53,6 +54,9 @@ LAYOUTS = {  # name: (world, parallel)
     "pp 2 x tp 2": (4, dict(pp=2, tp=2)),
     "dp 4 zero 2": (4, dict(dp=4, zero=2)),
     "dp 3 zero 3": (3, dict(dp=3, zero=3)),  # uneven shards, padded
+    # Offloaded states save and load the same chunks (their files are anonymous: any writable directory).
+    "dp 2 zero 1 offload cpu": (2, dict(dp=2, zero=1, offload="cpu")),
+    "dp 2 zero 3 offload disk": (2, dict(dp=2, zero=3, offload="disk", offload_dir=tempfile.gettempdir())),
 }
 
 PAIRS = [
@@ -60,6 +64,7 @@ PAIRS = [
     ("tp 2 + sp", "pp 2 1f1b"), ("pp 2 interleaved x2", "dp 2 zero 1"), ("dp 2 zero 1", "dp 2 x tp 2 + sp"),
     ("dp 2 x tp 2 zero 3", "pp 2 x tp 2"), ("dp 2 x pp 2 zero 1", "dp 4 zero 2"), ("dp 4 zero 2", "tp 2"),
     ("tp 2", "dp 2 zero 2"), ("dp 3 zero 3", "dp 2 x tp 2 zero 3"), ("pp 2 x tp 2", "pp 2 interleaved x2"),
+    ("dp 2 zero 1 offload cpu", "dp 2 zero 3 offload disk"), ("dp 2 zero 3 offload disk", "1 process"),
 ]
 
 

@@ -118,6 +118,20 @@ def test_memory_by_owner_equals_the_zero_formulas(zero, dtype):
         assert (m["params"], m["grads"], m["optim"]) == want, (zero, dtype, m)
 
 
+@pytest.mark.parametrize("zero,dtype,offload", [(1, "fp32", "cpu"), (3, "bf16", "disk")])
+def test_offload_moves_the_optimizer_shard_off_the_device(zero, dtype, offload, tmp_path):
+    # What leaves the device: fp32 masters and both moments (12 bytes a parameter, in fp32 too:
+    # the device's parameters can no longer double as the masters), and ZeRO-3's parameter shard.
+    psi, world = count_params(get_preset("tiny")), 2
+    cfg = config(world, 2, "bucket", zero, steps=1, dtype=dtype, offload=offload,
+                 offload_dir=str(tmp_path) if offload == "disk" else "")
+    params, grads, _ = expected_bytes(psi, world, zero, dtype)
+    for got in train_parallel(cfg, world):
+        m = got.memory[0]
+        assert (m["params"], m["grads"], m["optim"]) == (0 if zero == 3 else params, grads, 0), m
+        assert m["offloaded"] == {"to": offload, "optim": 12 * psi // world, "params": params if zero == 3 else 0}
+
+
 def test_zero1_optimizer_state_is_a_quarter_on_four_ranks():
     plain = train_parallel(config(4, 1, "bucket", 0, steps=1), 4)[0].memory[0]["optim"]
     zero1 = train_parallel(config(4, 1, "bucket", 1, steps=1), 4)[0].memory[0]["optim"]

@@ -228,7 +228,7 @@ class Trainer:
         if hasattr(self.main, "offloaded_bytes"):
             # Off the device: the optimizer's shard (and ZeRO-3's parameter shard), in host memory or files.
             where = self.main.where
-            mem["offloaded"] = {"to": where, "optim": mem["optim"] + self.main.offloaded_bytes(),
+            mem["offloaded"] = {"to": where, "optim": self.main.offloaded_bytes(),
                                 "params": mem["params"] if self.cfg.parallel.zero == 3 else 0}
             mem["optim"] = 0
             mem["params"] -= mem["offloaded"]["params"]
