@@ -43,3 +43,21 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The GPU kit (docs/benchmarks.md, "On a GPU"). gpu-wheels, here with network: the wheels a GPU
+# machine's own Python may lack (pure Python or abi3, so its Python version does not matter), pinned
+# by constraints.txt, into the ignored folder .whl/ that travels with the tree. gpu-check, on the GPU
+# machine with its own CUDA torch: scripts/gpu_check.sh installs what is missing from .whl/ without
+# touching torch, runs the CUDA tests and benchmarks in 9 minutes and writes OUT/gpu-report.md
+# and .json; without CUDA it says so in one line and exits 2.
+GPU_WHEELS := pytest pluggy iniconfig packaging pygments pytest-timeout tqdm torchao exceptiongroup tomli
+OUT ?=
+
+.PHONY: gpu-wheels gpu-check
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.10 \
+		-c constraints.txt -d .whl $(GPU_WHEELS)
+	du -sh .whl
+
+gpu-check:
+	GPU_PYTHON=$(or $(GPU_PYTHON),python3) scripts/gpu_check.sh $(OUT)

@@ -30,6 +30,10 @@ medians, and "paired", the median over rounds of HF's time in a round over the
 runner's time in the same round, which cancels load that changes between rounds.
 
     .venv/bin/python benchmarks/bench_single_vs_hf.py --model small medium --json /tmp/bench_fp32.json
+
+`--device cuda`: both sides on the GPU (HF under `torch.autocast("cuda")` in bf16); the step
+times end on a device synchronisation; the idle gate (a CPU matter) is off, and so is the
+runner without the meter (three copies of a 1B model's states would crowd the GPU).
 """
 
 from __future__ import annotations
@@ -83,9 +87,9 @@ def model_config(name: str, args) -> ModelConfig:
 
 # -- ours -------------------------------------------------------------------
 class Ours:
-    def __init__(self, label: str, run: RunConfig):
+    def __init__(self, label: str, run: RunConfig, device: torch.device):
         self.label = label
-        self.trainer = Trainer(run, build_context(run.parallel, 0, 1))
+        self.trainer = Trainer(run, build_context(run.parallel, 0, 1, device=device))
         self.losses: list[float] = []
         self.activations = None
 
@@ -103,12 +107,12 @@ class Ours:
 
 
 # -- Hugging Face -------------------------------------------------------------
-def build_hf(cfg: ModelConfig, init: dict[str, torch.Tensor]):
+def build_hf(cfg: ModelConfig, init: dict[str, torch.Tensor], device: torch.device):
     """LlamaForCausalLM of the same shape (ultrascale.model.hf's config and names), with our initial weights."""
     from transformers import LlamaForCausalLM
 
     hf_cfg = to_hf_config(cfg, dtype=torch.float32, use_cache=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(hf_cfg).float().train()
+    model = LlamaForCausalLM(hf_cfg).float().to(device).train()
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in init.items():
@@ -117,10 +121,11 @@ def build_hf(cfg: ModelConfig, init: dict[str, torch.Tensor]):
 
 
 class HF:
-    def __init__(self, label: str, cfg: ModelConfig, run: RunConfig, init: dict[str, torch.Tensor]):
-        self.label, self.run = label, run
+    def __init__(self, label: str, cfg: ModelConfig, run: RunConfig, init: dict[str, torch.Tensor],
+                 device: torch.device):
+        self.label, self.run, self.device = label, run, device
         t = run.train
-        self.model = build_hf(cfg, init)
+        self.model = build_hf(cfg, init, device)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         decay = [p for _, p in named if p.ndim >= 2]
@@ -136,12 +141,12 @@ class HF:
         self.activations = None
 
     def _autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
 
     def step(self) -> float:
         t = self.run.train
         start = time.perf_counter()
-        micro_batches = self.data.micro_batches(self.steps, 0, 1, t.grad_accum)
+        micro_batches = self.data.micro_batches(self.steps, 0, 1, t.grad_accum, self.device)
         self.opt.zero_grad(set_to_none=True)
         total = 0.0
         for inputs, targets in micro_batches:
@@ -155,6 +160,8 @@ class HF:
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
         self.steps += 1
         self.losses.append(total / len(micro_batches))
@@ -162,7 +169,7 @@ class HF:
 
     def measure_activations(self) -> None:
         """Bytes saved for backward by one forward, with the meter ours uses (not timed, no update)."""
-        inputs, targets = self.data.micro_batches(0, 0, 1, self.run.train.grad_accum)[0]
+        inputs, targets = self.data.micro_batches(0, 0, 1, self.run.train.grad_accum, self.device)[0]
         meter = ActivationMeter(list(self.model.parameters()) + list(self.model.buffers()))
         with meter.forward(), self._autocast():
             loss = cross_entropy_loss(self.model(input_ids=inputs, use_cache=False).logits, targets)
@@ -222,7 +229,7 @@ class IdleGate:
 
 def check_same_function(ours: Ours, hf: HF) -> float:
     """Max |logits difference| of the two models on one batch, before any step (fp32 only)."""
-    inputs, _ = hf.data.micro_batches(0, 0, 1, 1)[0]
+    inputs, _ = hf.data.micro_batches(0, 0, 1, 1, hf.device)[0]
     with torch.no_grad():
         a = ours.trainer.model(inputs).float()
         b = hf.model(input_ids=inputs, use_cache=False).logits.float()
@@ -231,14 +238,15 @@ def check_same_function(ours: Ours, hf: HF) -> float:
 
 def bench_shape(cfg: ModelConfig, args) -> dict:
     t = TrainConfig(steps=10**6, seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=1,
-                    dtype=args.dtype, device="cpu", progress=False, seed=args.seed)
+                    dtype=args.dtype, device=args.device, progress=False, seed=args.seed)
     run = validate(RunConfig(model=cfg, parallel=ParallelConfig(dp=1), train=t), 1)
     run_off = dataclasses.replace(run, train=dataclasses.replace(t, measure_activations=False))
 
     init = {n: p.detach().clone() for n, p in build_model(cfg, t.seed).named_parameters()}
-    ours = Ours("ultrascale", run)
-    ours_off = Ours("ultrascale, measure_activations=False", run_off)
-    hf = HF(f"transformers {_hf_version()} LlamaForCausalLM (sdpa)", cfg, run, init)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    ours = Ours("ultrascale", run, device)
+    ours_off = Ours("ultrascale, measure_activations=False", run_off, device) if device.type == "cpu" else None
+    hf = HF(f"transformers {_hf_version()} LlamaForCausalLM (sdpa)", cfg, run, init, device)
 
     n_ours = sum(p.numel() for p in ours.trainer.model.parameters())
     n_hf = sum(p.numel() for p in hf.model.parameters())
@@ -248,7 +256,7 @@ def bench_shape(cfg: ModelConfig, args) -> dict:
     logits_diff = check_same_function(ours, hf) if args.dtype == "fp32" else None
     hf.measure_activations()
 
-    runners = [ours, ours_off, hf]
+    runners = [r for r in (ours, ours_off, hf) if r is not None]
     print(f"\n{cfg.name}: {n_ours:,} parameters in both models"
           + (f", max |logits diff| at init {logits_diff:.1e}" if logits_diff is not None else ""), flush=True)
     for r in runners:
@@ -289,7 +297,7 @@ def bench_shape(cfg: ModelConfig, args) -> dict:
     # Same weights, same batches, same recipe: the losses must agree (fp32: to rounding).
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(ours.losses, hf.losses))
     same = next((i for i, (a, b) in enumerate(zip(ours.losses, hf.losses)) if a != b), len(hf.losses))
-    meter_exact = ours.losses == ours_off.losses
+    meter_exact = ours.losses == ours_off.losses if ours_off is not None else None
     idle = {"below": args.idle_below, "blocks": len(gate.seen), "started_busy": gate.gave_up,
             "busy_elsewhere_at_start": gate.seen}
     return {"model": cfg.to_dict(), "rows": rows, "idle_gate": idle, "logits_max_abs_diff_at_init": logits_diff,
@@ -305,7 +313,8 @@ def _hf_version() -> str:
 
 
 def machine_info(threads: int) -> dict:
-    return {**common.machine_info(), "threads": threads, "transformers": _hf_version()}
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {**common.machine_info(), "threads": threads, "transformers": _hf_version(), "gpu": gpu}
 
 
 def markdown(results: list[dict], machine: dict, args) -> str:
@@ -347,8 +356,9 @@ def markdown(results: list[dict], machine: dict, args) -> str:
             check += (f"; other processes used {100 * statistics.median(seen):.0f}% (median), at most "
                       f"{100 * max(seen):.0f}% of the CPUs when a block started ({gate['started_busy']} of "
                       f"{gate['blocks']} blocks started above the {100 * gate['below']:.0f}% threshold)")
-        lines.append(f"- {name}: {check}; losses with and without the activation meter "
-                     + ("identical" if res["meter_changes_nothing"] else "DIFFERENT"))
+        meter = res["meter_changes_nothing"]
+        lines.append(f"- {name}: {check}" + ("" if meter is None else "; losses with and without the activation meter "
+                                              + ("identical" if meter else "DIFFERENT")))
     return "\n".join(lines)
 
 
@@ -374,7 +384,12 @@ def main(argv=None) -> None:
     p.add_argument("--max-wait", type=float, default=120, metavar="SECONDS",
                    help="longest wait for a quiet machine before a block; then it runs anyway (and is counted)")
     p.add_argument("--json", metavar="OUT", help="write every step time and loss here")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = p.parse_args(argv)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("bench_single_vs_hf: --device cuda: no CUDA device is visible: use --device cpu")
+        args.idle_below = 1.0  # the gate watches the CPUs
 
     torch.set_num_threads(args.threads)
     machine = machine_info(args.threads)
@@ -387,7 +402,15 @@ def main(argv=None) -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"command": sys.argv, "machine": machine, "args": vars(args), "results": results}, f, indent=1)
+            # The figures make gpu-check's report lists: each shape's ratio of medians to HF, ours first.
+            summary = {"device": machine["gpu"] if args.device == "cuda" else machine["cpu"]}
+            for res in results:
+                row = res["rows"][0]
+                summary[f"{row['shape']}_ours_tokens_per_s"] = row["tokens_per_s"]
+                summary[f"{row['shape']}_ours_vs_hf"] = row["ratio_vs_hf"]
+                summary[f"{row['shape']}_ours_vs_hf_paired"] = row["paired_ratio_vs_hf"]
+            json.dump({"command": sys.argv, "machine": machine, "args": vars(args), "summary": summary,
+                       "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
