@@ -607,3 +607,44 @@ def test_the_html_page_holds_what_plan_json_says(tmp_path, capsys):
 def test_an_html_page_that_cannot_be_written_is_one_line_before_the_search(capsys, tmp_path):
     code, out, err = cli(capsys, "plan", "--model", "llama3-8b", "--gpus", "8", "--html", str(tmp_path))
     assert code == 2 and "--html" in err and "is a directory" in err and out == "", err
+
+
+# -- offload ---------------------------------------------------------------------------
+def test_offload_moves_the_optimizer_shard_off_the_gpu():
+    shape, fw = get_shape("llama3-8b"), get_framework("megatron")
+    for zero in (1, 3):
+        on = memory_plan(shape, Layout(dp=8, zero=zero, seq_len=4096), fw).peak
+        off = memory_plan(shape, Layout(dp=8, zero=zero, seq_len=4096, offload="cpu"), fw).peak
+        assert off.terms["optim"] == 0 and off.terms["grads"] == on.terms["grads"]
+        # Masters and both moments, fp32, of an eighth of the model; with ZeRO-3 its bf16 shard too.
+        moved = 12 * LLAMA3_8B / 8 + (2 * LLAMA3_8B / 8 if zero == 3 else 0)
+        assert off.offloaded == pytest.approx(moved, rel=1e-3), zero
+        assert off.terms["params"] == (0 if zero == 3 else on.terms["params"])
+        assert on.total - off.total == pytest.approx(on.terms["optim"] + (on.terms["params"] if zero == 3 else 0))
+
+
+def test_offload_pays_a_host_optimizer_step_and_what_pcie_or_the_disk_does_not_hide():
+    shape, fw, gpu = get_shape("llama3-8b"), get_framework("megatron"), get_cluster("h100-80gb")
+    host = gpu.offload_host  # DGX H100: 50 GB/s PCIe, 46 GB/s of DDR5 per GPU, 3.5 GB/s of NVMe
+    shard = LLAMA3_8B / 8
+    cpu = step_time(shape, Layout(dp=8, zero=1, seq_len=4096, offload="cpu"), gpu, fw).breakdown
+    # fp32 master and moments read and written (24 bytes), the gradient read and the parameter
+    # written (2 bytes each in the playbook's bf16 recipe, plan/precision.py).
+    assert cpu["optimizer"] == pytest.approx(shard * 28 / host.memory_bandwidth)
+    assert cpu["offload"] == 0  # 4 bytes an element over PCIe hide behind the 28 of the host step
+    disk = step_time(shape, Layout(dp=8, zero=1, seq_len=4096, offload="disk"), gpu, fw).breakdown
+    assert disk["offload"] == pytest.approx(shard * 24 / host.disk_bandwidth - cpu["optimizer"])
+    plain = step_time(shape, Layout(dp=8, zero=1, seq_len=4096), gpu, fw)
+    assert plain.breakdown["offload"] == 0 and plain.breakdown["optimizer"] < cpu["optimizer"] / 10
+
+
+def test_plan_proposes_offload_only_where_nothing_else_fits():
+    fw, gpu = get_framework("megatron"), get_cluster("h100-80gb")
+    from ultrascale.plan.search import search
+
+    pins = {"pp": 1, "cp": 1}  # 70B on 8 GPUs without pipeline or context parallelism
+    assert not search(get_shape("llama3-70b"), 8, gpu, fw, 4096, 4096 * 16, "bf16", {**pins, "offload": "none"}).ranked
+    best = search(get_shape("llama3-70b"), 8, gpu, fw, 4096, 4096 * 16, "bf16", pins).ranked
+    assert best and all(c.layout.offload == "cpu" for c in best)  # cpu first: disk only if cpu cannot fit
+    fits = search(get_shape("llama3-8b"), 8, gpu, fw, 4096, 4096 * 16, "bf16", pins).ranked
+    assert fits and all(c.layout.offload == "none" for c in fits)

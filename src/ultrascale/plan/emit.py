@@ -55,6 +55,8 @@ def run_config(shape, lay) -> dict:
                 "bucket_mb": lay.bucket_mb}
     if lay.cp > 1:  # the attention variant means something only with context parallelism
         parallel["cp_attention"] = lay.cp_attention
+    if lay.offload != "none":  # disk's files: a directory beside the run (any with room will do)
+        parallel.update(offload=lay.offload, **({"offload_dir": "offload"} if lay.offload == "disk" else {}))
     train = {"seq_len": lay.seq_len, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
              "recompute": lay.recompute, "dtype": _dtype(lay.precision), "nproc": lay.world}
     return {"model": model, "parallel": parallel, "train": train}

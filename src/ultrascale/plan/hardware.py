@@ -10,6 +10,9 @@ from here:
   MFU counts it, train/metrics.py; "fp8" only where the chip has FP8 tensor cores);
 - links: bandwidth is the per-GPU unidirectional bandwidth a ring collective
   achieves (NCCL "bus bandwidth"), latency the per-step cost alpha of a ring;
+- host: what each GPU's share of its host offers ZeRO-Offload (parallel/offload.py):
+  the PCIe link to host memory, the host memory bandwidth its CPU optimizer step
+  is bound by, and the local NVMe drives' bandwidth;
 - node_pair_sync_s: a cost per micro-batch per pair of nodes the job spans,
   measured on one cluster only (the playbook's: plan/time.py, "Synchronization").
   The generic clusters carry none: a term fitted on one network is not a fact
@@ -48,6 +51,16 @@ class GPU:
 
 
 @dataclass(frozen=True)
+class Host:
+    """One GPU's share of its host, for offload: bytes/s per GPU, each direction."""
+
+    name: str
+    pcie_bandwidth: float  # host <-> device copies from pinned memory, per GPU
+    memory_bandwidth: float  # host DRAM per GPU: the CPU AdamW step reads and writes ~28 bytes an element
+    disk_bandwidth: float  # local NVMe per GPU (the slower of read and write)
+
+
+@dataclass(frozen=True)
 class Cluster:
     name: str
     gpu: GPU
@@ -56,6 +69,11 @@ class Cluster:
     node_size: int = 8
     node_pair_sync_s: float = 0.0  # per micro-batch per pair of nodes (see the module's docstring)
     help: str = ""
+    host: Host | None = None  # what offload moves over and steps on (None: the GPU's generic host)
+
+    @property
+    def offload_host(self) -> Host:
+        return self.host or HOSTS.get(self.gpu.name, HOSTS["h100-80gb"])
 
     # The chip's figures, read through the cluster by the memory and time models.
     @property
@@ -85,6 +103,23 @@ IB_HDR = Link("InfiniBand HDR 200 Gb/s per GPU", 20e9, 10e-6)  # 25 GB/s line ra
 ROCE_400 = Link("RoCE 400 Gb/s per GPU", 40e9, 10e-6)  # Meta's RDMA fabric (Llama 3 paper, section 3.3.1)
 # Jean Zay's A100 partition (BLOOM's): 4 x 100 Gb/s Omni-Path per node of 8, 50 Gb/s per GPU.
 OMNIPATH_4X100 = Link("Omni-Path 4 x 100 Gb/s per node of 8", 5e9, 10e-6)
+
+# Hosts of the vendors' 8-GPU nodes, per GPU (a node's figure / 8). PCIe: what pinned host <-> device
+# copies reach (Gen5 x16: 64 GB/s line rate, ~50 measured; Gen4 x16: 32, ~25). Memory: the data
+# sheets' DRAM bandwidth (DGX H100: 2 x 8 channels of DDR5-4800, 614 GB/s; DGX A100: 2 x 8 channels
+# of DDR4-3200, 410 GB/s), about 60% of it reached by a streaming AdamW. Disk: the node's NVMe
+# drives (DGX H100: 8 x 3.84 TB U.2, ~3.5 GB/s write each; DGX A100: 4 x 3.84 TB, ~3 GB/s each).
+HOSTS = {
+    "h100-80gb": Host("DGX H100 host (PCIe Gen5, DDR5, NVMe)", 50e9, 0.6 * 614e9 / 8, 3.5e9),
+    "h200": Host("DGX H200 host (PCIe Gen5, DDR5, NVMe)", 50e9, 0.6 * 614e9 / 8, 3.5e9),
+    "h100-96gb-hbm2e": Host("Grand Teton host (PCIe Gen5, DDR5, NVMe)", 50e9, 0.6 * 614e9 / 8, 3.5e9),
+    "a100-80gb": Host("DGX A100 host (PCIe Gen4, DDR4, NVMe)", 25e9, 0.6 * 410e9 / 8, 4 * 3e9 / 8),
+    "a100-40gb": Host("DGX A100 host (PCIe Gen4, DDR4, NVMe)", 25e9, 0.6 * 410e9 / 8, 4 * 3e9 / 8),
+    # One rank on a CPU: host and device are one memory, so a "transfer" is a copy at the
+    # elementwise rate measured for cpu-core below; the disk figure is measured by
+    # benchmarks/bench_offload.py on this machine (page cache and virtio disk).
+    "cpu-core": Host("the same memory (a CPU rank)", 6.07e9, 6.07e9, 1.0e9),
+}
 
 GPUS = {
     "h100-80gb": GPU("h100-80gb", 79.19 * GIB, {"bf16": 989.5e12, "fp32": 494.7e12, "fp8": 1979e12}, 3.35e12),

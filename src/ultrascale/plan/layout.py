@@ -40,6 +40,9 @@ class Layout:
     seq_len: int = 4096
     precision: str = "bf16"
     bucket_mb: float = 25.0  # gradient bucket cap (the engine's and DDP's default)
+    # ZeRO-Offload: none | cpu | disk (the engine's --offload): the optimizer shard, and ZeRO-3's
+    # parameter shard, leave the GPU; the step pays the PCIe copies and a host optimizer step.
+    offload: str = "none"
 
     @property
     def world(self) -> int:
@@ -68,7 +71,9 @@ class Layout:
             parts.append(f"cp{self.cp}({self.cp_attention})")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        return " ".join(parts) + f" zero{self.zero} rc:{self.recompute} mbs{self.micro_batch} ga{self.grad_accum}"
+        offload = f" offload:{self.offload}" if self.offload != "none" else ""
+        return (" ".join(parts) + f" zero{self.zero}{offload} rc:{self.recompute} mbs{self.micro_batch} "
+                f"ga{self.grad_accum}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,6 +143,10 @@ def check_layout(lay: Layout, shape) -> None:
         raise ConfigError(f"--ep {lay.ep} needs an MoE model whose experts ({shape.experts}) it divides")
     if lay.zero and lay.dp * lay.cp == 1:
         raise ConfigError(f"--zero {lay.zero} with dp = 1: there is nothing to shard across; drop --zero")
+    if lay.offload not in ("none", "cpu", "disk"):
+        raise ConfigError(f"--offload must be none, cpu or disk, got {lay.offload!r}")
+    if lay.offload != "none" and not lay.zero:
+        raise ConfigError(f"--offload {lay.offload} moves ZeRO's optimizer shard: it needs --zero 1, 2 or 3")
 
 
 def check_framework(fw, ep: int, zero: int) -> None:

@@ -48,6 +48,7 @@ class StageMemory:
     in_flight: float
     layers: int
     param_count: float
+    offloaded: float = 0.0  # bytes of model states in host memory or on disk (--offload), not in `terms`
 
     @property
     def total(self) -> float:
@@ -70,7 +71,7 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         p = self.peak
         return {"total": p.total, "stage": p.stage, "in_flight_micro_batches": p.in_flight, "layers": p.layers,
-                "param_count": p.param_count, **{k: p.terms[k] for k in TERMS},
+                "param_count": p.param_count, "offloaded": p.offloaded, **{k: p.terms[k] for k in TERMS},
                 "stages": [{"stage": s.stage, "total": s.total, **s.terms} for s in self.stages]}
 
 
@@ -89,6 +90,18 @@ def _engine_exact(shape, lay, fw) -> bool:
 
 
 def _states(shape, lay, fw, stage):
+    """Model states on the GPU; under offload, what left it is under "offloaded" (host or disk)."""
+    states = _device_states(shape, lay, fw, stage)
+    if lay.offload == "none":
+        return {**states, "offloaded": 0.0}
+    # The fp32 masters and both moments leave (12 bytes a parameter of the shard, whatever the recipe:
+    # on the GPU fp32 parameters no longer double as masters), and ZeRO-3's parameter shard.
+    shard = states["param_count"] / (lay.dp * lay.cp)
+    moved = 12 * shard + (states["params"] if lay.zero == 3 else 0.0)
+    return {**states, "optim": 0.0, "params": 0.0 if lay.zero == 3 else states["params"], "offloaded": moved}
+
+
+def _device_states(shape, lay, fw, stage):
     prec = get_precision(lay.precision)
     blocks = (len(stage[0]), stage[1], stage[2])
     if _engine_exact(shape, lay, fw):
@@ -175,7 +188,7 @@ def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
         terms["comm_buffers"] = comm
         dynamic = sum(terms[k] for k in DYNAMIC)
         terms["overhead"] = fw.context_bytes + fw.fragmentation * dynamic
-        plan.stages.append(StageMemory(stage, terms, flight, n_layers, states["param_count"]))
+        plan.stages.append(StageMemory(stage, terms, flight, n_layers, states["param_count"], states["offloaded"]))
     return plan
 
 

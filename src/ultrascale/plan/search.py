@@ -122,13 +122,16 @@ def _variants(shape, base, fixed, allowed):
         fewer = -(-shape.layers // base["pp"]) - 1
         if fewer >= 1:
             ends.append((fewer, fewer))
+    offload = fixed.get("offload") or "none"
+    if offload != "none":  # offload moves ZeRO's shards: a stage of ZeRO is needed
+        zeros = [z for z in zeros if z]
     for zero in allowed("zero", zeros):
         for recompute in allowed("recompute", ["none", "selective", "full"]):
             for schedule, chunks in schedules:
                 for first, last in ends if chunks == 1 else ends[:1]:
                     yield Layout(**base, zero=zero, recompute=recompute, schedule=schedule, chunks=chunks,
                                  sp=fixed.get("sp", True), cp_attention=fixed.get("cp_attention") or "zigzag",
-                                 first_stage_layers=first, last_stage_layers=last)
+                                 first_stage_layers=first, last_stage_layers=last, offload=offload)
 
 
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
@@ -164,6 +167,24 @@ def search(shape, gpus: int, gpu, fw, seq_len: int, global_batch_tokens: int, pr
     check_cluster(gpus, gpu)
     sequences = batch_sequences(global_batch_tokens, seq_len)
     result = SearchResult()
+    # Offload trades step time for memory: proposed only where nothing fits without it (cpu first,
+    # then disk), unless pinned.
+    for offload in [fixed["offload"]] if fixed.get("offload") else ["none", "cpu", "disk"]:
+        _search_tier(result, shape, gpus, gpu, fw, seq_len, sequences, precision, {**fixed, "offload": offload},
+                     with_time)
+        if result.ranked:
+            break
+    if with_time:
+        result.ranked = rank(result.ranked)
+    if result.enumerated == 0:
+        pins = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items() if v is not None)
+        raise ConfigError(f"no layout of {gpus} GPUs reaches a batch of {sequences} sequences"
+                          + (f" with {pins}" if pins else "") + ": change --gpus, the batch, or the pinned sizes")
+    return result
+
+
+def _search_tier(result, shape, gpus, gpu, fw, seq_len, sequences, precision, fixed, with_time) -> None:
+    """Add the layouts with `fixed`'s offload tier to `result`: every one counted, the fitting ones timed."""
     for lay in layouts(shape, gpus, gpu, seq_len, sequences, precision, fixed):
         try:
             check_layout(lay, shape)
@@ -179,13 +200,6 @@ def search(shape, gpus: int, gpu, fw, seq_len: int, global_batch_tokens: int, pr
             if with_time:
                 cand.time = step_time(shape, lay, gpu, fw)
             result.ranked.append(cand)
-    if with_time:
-        result.ranked = rank(result.ranked)
-    if result.enumerated == 0:
-        pins = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items() if v is not None)
-        raise ConfigError(f"no layout of {gpus} GPUs reaches a batch of {sequences} sequences"
-                          + (f" with {pins}" if pins else "") + ": change --gpus, the batch, or the pinned sizes")
-    return result
 
 
 def gpus_needed(shape, gpus: int, gpu, fw, seq_len: int, global_batch_tokens: int, precision: str,

@@ -245,6 +245,24 @@ def _collectives(kind, nbytes, n, link, bucket_bytes) -> float:
                                + buckets * latency_steps(n) * link.latency)
 
 
+def _offloaded_step(lay, gpu, shard, grad_b, param_b, m) -> tuple[float, float]:
+    """(optimizer, offload) seconds under ZeRO-Offload (parallel/offload.py).
+
+    The optimizer steps on the host, bound by its memory: the same bytes as on the GPU. Beside it,
+    segment by segment, run the PCIe copies (the gradient shard down, the updated parameters up)
+    and, for disk, the states' reads and writes (12 bytes an element each way): the engine's
+    pipeline overlaps the three, and what exceeds the host step shows. With ZeRO-3 the parameter
+    shard also goes up before each of a micro-batch's two gathers: counted whole (an upper bound,
+    the prefetch may hide part of it).
+    """
+    host = gpu.offload_host
+    optimizer = shard * (4 + 4 + 8 + 8 + grad_b + param_b) / host.memory_bandwidth
+    pcie = shard * (grad_b + param_b) / host.pcie_bandwidth
+    disk = 2 * 12 * shard / host.disk_bandwidth if lay.offload == "disk" else 0.0
+    gathers = 2 * m * shard * param_b / host.pcie_bandwidth if lay.zero == 3 else 0.0
+    return optimizer, max(0.0, max(pcie, disk) - optimizer) + gathers
+
+
 def step_time(shape, lay, gpu, fw) -> StepTime:
     prec = get_precision(lay.precision)
     peak = gpu.peak_flops["fp32" if prec.act_bytes == 4 else "bf16"]
@@ -282,10 +300,13 @@ def step_time(shape, lay, gpu, fw) -> StepTime:
     shard = psi / (n if lay.zero else 1)
     # AdamW reads and writes the fp32 master and both moments, reads the gradient, writes the parameter.
     optimizer = shard * (4 + 4 + 8 + 8 + grad_b + prec.param_bytes) / gpu.hbm_bandwidth
+    offload = 0.0
+    if lay.offload != "none":
+        optimizer, offload = _offloaded_step(lay, gpu, shard, grad_b, prec.param_bytes, m)
 
-    step = m * per_mb + bubble + dp + optimizer
+    step = m * per_mb + bubble + dp + optimizer + offload
     breakdown = {k: m * v for k, v in t.items()}
-    breakdown.update(bubble=bubble, dp_comm=dp, optimizer=optimizer)
+    breakdown.update(bubble=bubble, dp_comm=dp, optimizer=optimizer, offload=offload)
     tps = lay.tokens_per_step / step / lay.world
     mfu = tps * playbook_flops_per_token(shape, lay.seq_len) / peak
     return StepTime(step, tps, mfu, breakdown)
