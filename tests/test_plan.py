@@ -124,14 +124,16 @@ def _held_until_input_gradient(actions):
 def test_closed_forms_equal_the_engines_schedules():
     from ultrascale.parallel.pipeline import schedule, simulate
 
-    for name in ("afab", "1f1b", "interleaved", "zero-bubble"):
+    for name in ("afab", "1f1b", "interleaved", "zero-bubble", "dualpipev"):
         for p in (2, 3, 4, 8):
             for m in (1, 2, 3, 4, 6, 8, 16):
-                for v in ((2, 3) if name == "interleaved" else (1,)):
+                for v in {"interleaved": (2, 3), "dualpipev": (2,)}.get(name, (1,)):
                     if name == "interleaved" and m % p:
                         continue  # the schedule takes micro-batches in groups of p
+                    if name == "dualpipev" and m < 2 * p:
+                        continue  # its V needs 2p micro-batches
                     actions = schedule(name, p, m, v)
-                    timeline = simulate(actions, p, v, t_f=1.0, t_b=1.0, t_w=1.0)
+                    timeline = simulate(actions, p, v, t_f=1.0, t_b=1.0, t_w=1.0, vshape=name == "dualpipev")
                     assert bubble_fraction(name, p, m, v) == pytest.approx(timeline.bubble_ratio, abs=1e-12), \
                         (name, p, m, v)
                     held = [_held_until_input_gradient(a) for a in actions]
@@ -552,7 +554,8 @@ def test_search_tries_every_chunk_count(capsys):
 
 def test_search_tries_lighter_first_and_last_stages():
     # Llama 3's balance (one block fewer on the first and last stages) is a candidate of its own,
-    # and the label says so; 1F1B and zero bubble only (an interleaved chunk must divide evenly).
+    # and the label says so; 1F1B and zero bubble only (an interleaved chunk must divide evenly, and
+    # DualPipeV's V is cut evenly).
     from ultrascale.plan.search import search
 
     shape = get_shape("llama3-8b")
@@ -560,7 +563,7 @@ def test_search_tries_lighter_first_and_last_stages():
                    fixed={"pp": 4, "tp": 8, "zero": 1, "recompute": "none", "micro_batch": 1}, with_time=False)
     ends = {(c.layout.schedule, c.layout.first_stage_layers, c.layout.last_stage_layers) for c in found.ranked}
     assert ends == {("1f1b", 0, 0), ("1f1b", 7, 7), ("zero-bubble", 0, 0), ("zero-bubble", 7, 7),
-                    ("interleaved", 0, 0)}, ends
+                    ("interleaved", 0, 0), ("dualpipev", 0, 0)}, ends
     light = next(c for c in found.ranked if c.layout.first_stage_layers == 7 and c.layout.schedule == "1f1b")
     assert "pp4(1f1b ends 7/7)" in light.layout.label()
     assert [s.layers for s in memory_plan(shape, light.layout, get_framework("megatron")).stages] == [7, 9, 9, 7]

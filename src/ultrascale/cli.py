@@ -39,7 +39,7 @@ TRAIN_FLAGS = [
                                                          "zigzag or ulysses"),
     ("--ep", "parallel", "ep", int, "expert-parallel size (carved out of dp)"),
     ("--dispatch", "parallel", "dispatch", str, "expert parallelism: alltoall or allgather"),
-    ("--pp-schedule", "parallel", "pp_schedule", str, "naive, afab, 1f1b, interleaved or zero-bubble"),
+    ("--pp-schedule", "parallel", "pp_schedule", str, "naive, afab, 1f1b, interleaved, zero-bubble or dualpipev (alias dualpipe)"),
     ("--pp-chunks", "parallel", "pp_chunks", int, "model chunks per pipeline rank (interleaved)"),
     ("--pp-first-stage-layers", "parallel", "pp_first_stage_layers", int, "blocks of the first pipeline stage "
                                                                            "(default: the even split)"),

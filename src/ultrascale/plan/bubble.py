@@ -10,9 +10,16 @@ micro-batches per optimizer step and v model chunks per rank:
   interleaved  (p - 1) / (v·m)            min(2(p - i - 1) + (v - 1)p + 1, v·m) chunks, / v
   zero-bubble  (p - 1 + max(0, p - m))    min(p - i, m)
                / (3m)
+  dualpipev    (p - 1) / (6m)             (2p - i) chunks of the first, i + 1 of the second,
+                                          / 2: p + 1/2 on every rank (m >= 2p)
 
 ZB-H1 splits the backward into I (input gradient) and W (weight gradient): a third of
-1F1B's bubble once m >= p. Every entry equals what the engine's own schedules give
+1F1B's bubble once m >= p. DualPipeV (DeepSeek's DualPipe cut in half) holds two
+chunks per rank in a V and pairs forwards with backwards: p - 1 idle chunk slots of
+6m, half ZB-H1's bubble on the same ranks, for p + 1/2 stages' worth of activations
+on every rank instead of 1F1B's p - i, and one copy of the weights (full DualPipe,
+not modelled, keeps two: stage i and stage p - 1 - i on every rank).
+Every entry equals what the engine's own schedules give
 (ultrascale.parallel.pipeline: the action lists played by its simulator at unit costs
 F = I = W, and the micro-batches held between a forward and its B or I) for the p, m, v
 each schedule accepts (tests/test_plan.py).
@@ -77,11 +84,25 @@ class ZeroBubbleH1:
         return min(p - stage, m)
 
 
+class DualPipeV:
+    def bubble_fraction(self, p, m, v):
+        # p - 1 idle chunk slots (F = I = W = 1) against 2m chunks x 3 slots of work.
+        return (p - 1) / (6 * m)
+
+    def in_flight(self, p, m, v, stage):
+        return sum(self.held_per_chunk(p, m, v, stage)) / 2
+
+    def held_per_chunk(self, p, m, v, stage):
+        # Rank i's peak: 2p - i micro-batches on the way down (chunk 0), i + 1 on the way back up.
+        return [2 * p - stage, stage + 1]
+
+
 SCHEDULES: dict[str, ScheduleModel] = {
     "afab": AllForwardAllBackward(),
     "1f1b": OneForwardOneBackward(),
     "interleaved": Interleaved(),
     "zero-bubble": ZeroBubbleH1(),
+    "dualpipev": DualPipeV(),
 }
 
 

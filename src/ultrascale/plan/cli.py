@@ -37,7 +37,7 @@ LAYOUT_FLAGS = [  # (flag, Layout field, type, help); None default: searched (pl
     ("--zero", "zero", int, "ZeRO stage 0-3"),
     ("--recompute", "recompute", str, "activation recomputation: none, selective, full"),
     ("--micro-batch", "micro_batch", int, "sequences per micro-batch per data-parallel rank"),
-    ("--schedule", "schedule", str, "pipeline schedule: afab, 1f1b, interleaved, zero-bubble"),
+    ("--schedule", "schedule", str, "pipeline schedule: afab, 1f1b, interleaved, zero-bubble, dualpipev"),
     ("--chunks", "chunks", int, "model chunks per pipeline rank (interleaved)"),
     ("--pp-first-stage-layers", "first_stage_layers", int, "blocks of the first pipeline stage (0: the even split)"),
     ("--pp-last-stage-layers", "last_stage_layers", int, "blocks of the last pipeline stage (0: the even split)"),

@@ -118,7 +118,13 @@ def check_layout(lay: Layout, shape) -> None:
             split(shape.layers, lay.pp, lay.chunks, lay.first_stage_layers, lay.last_stage_layers)
         except PartitionError as e:
             raise ConfigError(str(e)) from None
-    if lay.chunks > 1 and lay.schedule != "interleaved":
+    if lay.schedule == "dualpipev" and lay.pp > 1:
+        if lay.chunks != 2:
+            raise ConfigError(f"--schedule dualpipev holds exactly 2 chunks per rank, got --chunks {lay.chunks}")
+        if lay.grad_accum < 2 * lay.pp:
+            raise ConfigError(f"--schedule dualpipev needs at least 2 x pp = {2 * lay.pp} micro-batches, "
+                              f"got {lay.grad_accum}")
+    elif lay.chunks > 1 and lay.schedule != "interleaved":
         raise ConfigError(f"--chunks {lay.chunks} needs --schedule interleaved")
     if lay.schedule == "interleaved" and lay.pp > 1 and lay.grad_accum % lay.pp:
         raise ConfigError(f"the interleaved schedule needs micro-batches ({lay.grad_accum}) to be a multiple of "

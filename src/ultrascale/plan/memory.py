@@ -35,6 +35,7 @@ from ultrascale.plan import activations as act
 from ultrascale.plan.bubble import held_per_chunk, in_flight
 from ultrascale.plan.calibration import GIB, Framework
 from ultrascale.plan.precision import ENGINE_PRECISION, get_precision
+from ultrascale.parallel.pipeline.partition import v_shaped
 from ultrascale.plan.states import chunk_layers, engine_states, model_states, rank_params, stage_layer_ids
 
 TERMS = ("params", "grads", "optim", "activations", "logits", "transient", "comm_buffers", "overhead")
@@ -160,7 +161,8 @@ def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
     cache = {}  # stages holding as many blocks share their states and buffers (by formula)
     exact = _engine_exact(shape, lay, fw)
     split = (fw.partition, lay.chunks, lay.first_stage_layers, lay.last_stage_layers)
-    for stage, ids in enumerate(stage_layer_ids(shape, lay.pp, *split)):
+    vshape = v_shaped(lay.schedule)  # DualPipeV: rank 0 holds the first and the last chunk
+    for stage, ids in enumerate(stage_layer_ids(shape, lay.pp, *split, vshape)):
         blocks = (len(ids[0]), ids[1], ids[2])
         n_layers, first, last = blocks
         key = ids if exact else blocks
@@ -174,7 +176,7 @@ def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
         held = held_per_chunk(lay.schedule, lay.pp, lay.grad_accum, lay.chunks, stage)
         # The chunks' block counts come from the same split as the states (no second rule to drift).
         sizes = chunk_layers(shape, lay.pp, lay.chunks, stage, fw.partition, lay.first_stage_layers,
-                             lay.last_stage_layers)
+                             lay.last_stage_layers, vshape)
         per_chunk = [n * layer + act.rope_bytes(shape, spec, lay.seq_len) for n in sizes]
         if first:
             per_chunk[0] += act.embedding_bytes(tokens, spec)

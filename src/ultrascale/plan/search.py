@@ -20,7 +20,7 @@ from ultrascale.plan.layout import Layout, check_framework, check_layout
 from ultrascale.plan.memory import MemoryPlan, memory_plan
 from ultrascale.plan.time import StepTime, step_time
 
-SEARCH_SCHEDULES = ("1f1b", "interleaved", "zero-bubble")  # AFAB: 1F1B's bubble with more memory, never better
+SEARCH_SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "dualpipev")  # AFAB: 1F1B's bubble with more memory, never better
 
 
 @dataclass
@@ -108,11 +108,14 @@ def _variants(shape, base, fixed, allowed):
     if base["pp"] == 1:
         schedules = [("1f1b", 1)]
     else:
-        schedules = [(s, 1) for s in SEARCH_SCHEDULES if s != "interleaved"]
+        schedules = [(s, 1) for s in SEARCH_SCHEDULES if s not in ("interleaved", "dualpipev")]
+        if base["grad_accum"] >= 2 * base["pp"] and shape.layers >= 2 * base["pp"]:
+            schedules.append(("dualpipev", 2))  # a V of two chunks per rank, filled by 2 x pp micro-batches
         if base["grad_accum"] % base["pp"] == 0:
             schedules += [("interleaved", v) for v in chunk_counts(shape.layers, base["pp"])]
     if fixed.get("schedule") is not None:
-        schedules = [(fixed["schedule"], fixed.get("chunks") or (2 if fixed["schedule"] == "interleaved" else 1))]
+        schedules = [(fixed["schedule"], fixed.get("chunks")
+                      or (2 if fixed["schedule"] in ("interleaved", "dualpipev") else 1))]
     elif (fixed.get("chunks") or 1) > 1:  # --chunks alone asks for the interleaved schedule
         schedules = [("interleaved", fixed["chunks"])] if base["pp"] > 1 else []
     ends = [(fixed.get("first_stage_layers") or 0, fixed.get("last_stage_layers") or 0)]

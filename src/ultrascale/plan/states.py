@@ -27,7 +27,13 @@ from __future__ import annotations
 import functools
 
 from ultrascale.errors import ConfigError
-from ultrascale.parallel.pipeline.partition import PartitionError, holds_embedding, holds_head, rank_chunks, split
+from ultrascale.parallel.pipeline.partition import (
+    PartitionError,
+    holds_embedding,
+    holds_head,
+    rank_chunks,
+    split,
+)
 from ultrascale.plan.activations import padded_vocab
 from ultrascale.plan.precision import Precision
 
@@ -42,26 +48,29 @@ def _split(shape, pp: int, partition: str, chunks: int, first: int, last: int):
 
 
 @functools.lru_cache(maxsize=1024)
-def stage_layer_ids(shape, pp: int, partition: str = "even", chunks: int = 1, first: int = 0, last: int = 0):
+def stage_layer_ids(shape, pp: int, partition: str = "even", chunks: int = 1, first: int = 0, last: int = 0,
+                    vshape: bool = False):
     """(block ids, holds the embedding, holds the head) for each pipeline rank: its chunks' blocks,
     chunk 0 first, under partition.split (the even split, the first/last stage pinned to `first` /
-    `last` blocks, or nanotron's compute split), the same rule the engine cuts its model with."""
+    `last` blocks, or nanotron's compute split), the same rule the engine cuts its model with.
+    vshape: DualPipeV's placement (rank 0 holds both ends)."""
     stages = _split(shape, pp, partition, chunks, first, last)
-    return tuple((tuple(i for ids in rank_chunks(stages, r, pp, chunks) for i in ids), holds_embedding(r),
-                  holds_head(r, pp)) for r in range(pp))
+    return tuple((tuple(i for ids in rank_chunks(stages, r, pp, chunks, vshape) for i in ids), holds_embedding(r),
+                  holds_head(r, pp, vshape)) for r in range(pp))
 
 
 def chunk_layers(shape, pp: int, chunks: int, rank: int, partition: str = "even", first: int = 0,
-                 last: int = 0) -> list[int]:
-    """Blocks in each of rank's chunks (virtual stages c·pp + rank), from the same split as its states."""
-    return [len(ids) for ids in rank_chunks(_split(shape, pp, partition, chunks, first, last), rank, pp, chunks)]
+                 last: int = 0, vshape: bool = False) -> list[int]:
+    """Blocks in each of rank's chunks (virtual stages c·pp + rank, or the V's), from the same split as its states."""
+    stages = _split(shape, pp, partition, chunks, first, last)
+    return [len(ids) for ids in rank_chunks(stages, rank, pp, chunks, vshape)]
 
 
 @functools.lru_cache(maxsize=1024)
 def stage_blocks(shape, pp: int, partition: str = "even", chunks: int = 1, first: int = 0,
-                 last: int = 0) -> tuple[tuple[int, bool, bool], ...]:
+                 last: int = 0, vshape: bool = False) -> tuple[tuple[int, bool, bool], ...]:
     """(number of blocks, holds the embedding, holds the head) for each pipeline rank."""
-    return tuple((len(ids), e, h) for ids, e, h in stage_layer_ids(shape, pp, partition, chunks, first, last))
+    return tuple((len(ids), e, h) for ids, e, h in stage_layer_ids(shape, pp, partition, chunks, first, last, vshape))
 
 
 def stage_params(shape, lay, blocks: tuple[int, bool, bool]) -> tuple[float, float]:

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from ultrascale.plan.bubble import bubble_fraction
 from ultrascale.plan.hardware import Link
 from ultrascale.plan.precision import get_precision
+from ultrascale.parallel.pipeline.partition import v_shaped
 from ultrascale.plan.states import stage_blocks, stage_params
 
 RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1}
@@ -266,7 +267,8 @@ def _offloaded_step(lay, gpu, shard, grad_b, param_b, m) -> tuple[float, float]:
 def step_time(shape, lay, gpu, fw) -> StepTime:
     prec = get_precision(lay.precision)
     peak = gpu.peak_flops["fp32" if prec.act_bytes == 4 else "bf16"]
-    stages = stage_blocks(shape, lay.pp, fw.partition, lay.chunks, lay.first_stage_layers, lay.last_stage_layers)
+    stages = stage_blocks(shape, lay.pp, fw.partition, lay.chunks, lay.first_stage_layers, lay.last_stage_layers,
+                          v_shaped(lay.schedule))
     per_stage = [_stage_time(shape, lay, gpu, fw, blk, peak) for blk in stages]
     slow = max(range(len(stages)), key=lambda i: sum(per_stage[i].values()))
     t = per_stage[slow]  # the slowest stage sets the pipeline's pace
