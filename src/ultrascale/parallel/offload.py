@@ -92,6 +92,7 @@ class DiskStates:
         self.numel, self.files, self.mapped = numel, {}, {}
         for k in KINDS:
             try:
+                os.makedirs(directory, exist_ok=True)  # every rank: several nodes may each have their own disk
                 f = tempfile.TemporaryFile(dir=directory, prefix=f"ultrascale-rank{rank}-{k}-")
                 if hasattr(os, "posix_fallocate"):
                     os.posix_fallocate(f.fileno(), 0, max(1, numel) * 4)
