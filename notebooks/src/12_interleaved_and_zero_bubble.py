@@ -1,8 +1,8 @@
-"""Part 12 of the series: interleaved and zero-bubble pipeline schedules.
+"""Part 12 of the series: interleaved, zero-bubble and DualPipe pipeline schedules.
 
 The source of notebooks/12_interleaved_and_zero_bubble.ipynb (build it with
 `python notebooks/src/build.py 12`). The engine trains on 4 real gloo processes
-with 1F1B, interleaved 1F1B and ZB-H1; every figure is measured in the notebook:
+with 1F1B, interleaved 1F1B, ZB-H1 and DualPipeV; every figure is measured in the notebook:
 the losses against one process, the recorded timelines drawn as Gantt charts, the
 bubble measured and simulated.
 """
@@ -63,8 +63,23 @@ for name in ("1f1b", "zero-bubble"):
           f"micro-batches in flight {tl.peak_in_flight}")
 ''')
 
+DUALPIPE_SIM = code(r'''
+p, m = 4, 8
+print("DualPipeV, rank 0:", " ".join(map(repr, build("dualpipev", p, m)[0])), "(Fk.1: the way back up)")
+# The same model on the same 4 ranks: a 1F1B stage costs F = I = W = 1; a DualPipeV chunk is half a stage.
+charts = []
+for name, v, cost in (("1f1b", 1, 1.0), ("zero-bubble", 1, 1.0), ("dualpipev", 2, 0.5)):
+    tl = simulate(schedule(name, p, m), p, v, t_f=cost, t_b=cost, t_w=cost, vshape=name == "dualpipev")
+    held = [n / v for n in tl.peak_in_flight]          # in micro-batches of a whole stage
+    print(f"{name:11s}: idle time per rank {tl.bubble_time:g}, bubble ratio {tl.bubble_ratio:.4f}, "
+          f"stages' activations in flight {held}")
+    charts.append(os.path.join(OUT, f"{name}_sim.png"))
+    draw.draw(draw.spans_from_timeline(tl), f"{name}, pp = 4, m = 8: bubble {tl.bubble_ratio:.3f}", charts[-1])
+display(*(Image(filename=c) for c in charts))
+''')
+
 ENGINE = code(r'''
-RUNS = {"1f1b": 1, "interleaved": 2, "zero-bubble": 1}   # schedule -> chunks per rank
+RUNS = {"1f1b": 1, "interleaved": 2, "zero-bubble": 1, "dualpipev": 2}   # schedule -> chunks per rank
 M = 8
 
 
@@ -98,7 +113,8 @@ GANTT = code(r'''
 for name, v in RUNS.items():
     label = f"{name}, pp = 4" + (f", v = {v}" if v > 1 else "") + f", m = {M}"
     # The schedule as planned: the simulator at F = 1, I = 1, W = 1 per stage (a chunk costs 1/v of that).
-    tl = simulate(schedule(name, WORLD, M, v), WORLD, v, t_f=1.0 / v, t_b=1.0 / v, t_w=1.0 / v)
+    tl = simulate(schedule(name, WORLD, M, v), WORLD, v, t_f=1.0 / v, t_b=1.0 / v, t_w=1.0 / v,
+                  vshape=name == "dualpipev")
     planned = os.path.join(OUT, f"{name}_simulated.png")
     draw.draw(draw.spans_from_timeline(tl), f"{label}: simulated, bubble {tl.bubble_ratio:.3f}", planned)
     # The same schedule as it ran: the engine's recorded step 2, in seconds.
@@ -119,7 +135,7 @@ for name, v in RUNS.items():
     t_f = mean(spans, "F")
     t_b = mean(spans, "B") or mean(spans, "I")       # a whole backward, or its input half (zero bubble)
     t_w = mean(spans, "W")
-    sim = simulate(schedule(name, WORLD, M, v), WORLD, v, t_f=t_f, t_b=t_b, t_w=t_w)
+    sim = simulate(schedule(name, WORLD, M, v), WORLD, v, t_f=t_f, t_b=t_b, t_w=t_w, vshape=name == "dualpipev")
     acts = [f"{r.memory[-1]['activations'] / 2**20:.1f}" for r in records]
     print(f"{name:11s}: F {1e3 * t_f:.1f} ms, {'I' if t_w else 'B'} {1e3 * t_b:.1f} ms"
           + (f", W {1e3 * t_w:.1f} ms" if t_w else "")
@@ -130,7 +146,7 @@ for name, v in RUNS.items():
 
 EPISODE = Episode(
     number=12,
-    title="Interleaved and Zero-Bubble Schedules",
+    title="Interleaved, Zero-Bubble and DualPipe Schedules",
     slug="interleaved_and_zero_bubble",
     subtitle="Shrinking the pipeline bubble: virtual stages, and a backward split in two",
     overview=[
@@ -138,6 +154,8 @@ EPISODE = Episode(
         "The price of interleaving: about v times more point-to-point messages, and more activations in flight",
         "Zero bubble (ZB-H1): the backward split into the input gradient (I), which the previous stage waits "
         "for, and the weight gradient (W), which nobody waits for and which fills the bubble",
+        "DualPipe (DeepSeek-V3) in its cut-in-half V form: two chunks per rank, down the ranks and back up, "
+        "forwards paired with backwards; half ZB-H1's bubble for a little more memory",
         "The engine trains with each schedule on 4 real ranks: same losses as one process, its recorded "
         "timelines drawn as Gantt charts, the bubble measured against the simulator",
     ],
@@ -186,6 +204,28 @@ as 1F1B's further down. The linear layers' inputs held for W come on top of it.
 '''),
             ZB_SIM,
         ]),
+        Section("DualPipe: the pipeline folded in a V", [
+            md(r'''
+DeepSeek-V3's **DualPipe** feeds micro-batches from both ends of the pipeline: every rank holds two stages,
+stage $i$ of one direction and stage $p - 1 - i$ of the other (two copies of the weights), so one
+direction's warm-up fills the other's bubble. Its steady state pairs the **forward of one micro-batch with
+the backward of another**: on a GPU the two run as one step, each one's communication (the pipeline's
+sends, MoE's all-to-alls) hidden behind the other's compute. Around the steady state the backward is split
+into I and W, as in zero bubble.
+
+The engine runs its **cut-in-half** form, DualPipeV (Sea AI Lab, now in DeepSeek's repository): the model
+is cut into $2p$ stages, and rank $r$ holds stage $r$ (chunk 0, on the way down) and stage $2p - 1 - r$
+(chunk 1, on the way back up). A micro-batch goes $0 \to 1 \to \dots \to p - 1$, turns inside rank
+$p - 1$ and comes back up to rank 0, which holds the embedding and the loss. One copy of the weights, the
+same chunked runtime as interleaving, and the same idea: while rank 0 waits for micro-batch $k$ to come
+back, it pushes others down. It needs $m \ge 2p$ micro-batches to fill the V.
+
+With $t_F = t_I = t_W$ per chunk the idle time is $p - 1$ chunk slots: $(p-1)(t_F + t_I - t_W)$ in a
+chunk's costs, half of ZB-H1's on the same ranks and a sixth of 1F1B's. The price is memory: every rank
+holds $2p + 1$ chunks' activations at its peak ($p + 1/2$ stages' worth), where 1F1B's rank $r$ holds $p - r$.
+'''),
+            DUALPIPE_SIM,
+        ]),
         Section("On real ranks, drawn", [
             md(r'''
 The engine runs every schedule from the same action lists (`ultrascale train --nproc 4 --pp 4
@@ -215,18 +255,30 @@ message. Its memory price shows on every rank: more activations held than under 
     ],
     exercises=[
         Exercise(
-            title="Which chunk holds which layers",
+            title="Which chunk holds which layers, in a loop and in a V",
             instructions=r'''
 Write `layer_assignment(n_layers, p, v)`: for each rank $r$, for each of its chunks $c$, the list of layer
 ids it holds. The layers are cut, in order, into $p \cdot v$ virtual stages of equal size, the first
 $n \bmod (p\,v)$ virtual stages taking one layer more; chunk $c$ of rank $r$ is virtual stage $c \cdot p + r$.
 Return `[[chunk 0 layers, chunk 1 layers, ...] for each rank]`. The check compares with the engine's
 partition for several (layers, p, v), uneven ones included.
+
+Then fold it in a V, as DualPipeV does: write `v_placement(p)`, for each rank $r$ the pair
+`[stage of chunk 0, stage of chunk 1]` of its two stages among $0 \dots 2p-1$, chunk 0 carrying the
+micro-batches down the ranks ($0 \to p-1$) and chunk 1 bringing them back up ($p-1 \to 0$). The check
+compares with the engine's placement and plays your placement's messages: consecutive stages must sit on
+neighbouring ranks, or on the same rank at the turn of the V.
 ''',
             starter=r'''
 def layer_assignment(n_layers, p, v):
     """[[layer ids of chunk c] for c in range(v)] for each rank r in range(p)."""
     # TODO: sizes of the p*v virtual stages, their layers in order, then deal them to (rank, chunk)
+    raise NotImplementedError
+
+
+def v_placement(p):
+    """[[stage of chunk 0, stage of chunk 1] for each rank r in range(p)], stages 0 .. 2p-1."""
+    # TODO: chunk 0 goes down the ranks, chunk 1 comes back up
     raise NotImplementedError
 ''',
             solution=r'''
@@ -240,15 +292,23 @@ def layer_assignment(n_layers, p, v):
         virtual.append(list(range(start, start + size)))
         start += size
     return [[virtual[c * p + r] for c in range(v)] for r in range(p)]
+
+
+def v_placement(p):
+    """[[stage of chunk 0, stage of chunk 1] for each rank r in range(p)], stages 0 .. 2p-1."""
+    return [[r, 2 * p - 1 - r] for r in range(p)]
 ''',
             check=r'''
 from ultrascale.series.checks import part12
 part12.exercise_1(layer_assignment)
+part12.exercise_v(v_placement)
 ''',
             hints=[
                 "First forget the ranks: cut the layers into p·v consecutive groups, the first n mod (p·v) one larger.",
                 "`divmod(n_layers, p * v)` gives the base size and how many groups take one more.",
                 "Then rank r's chunk c is group c·p + r: `[[groups[c * p + r] for c in range(v)] for r in range(p)]`.",
+                "In the V, chunk 0 of rank r is stage r; stage p, the first on the way back, is on the last rank, "
+                "and rank r's second stage is 2p - 1 - r.",
             ],
         ),
         Exercise(
@@ -316,19 +376,19 @@ part12.exercise_2(input_grad, weight_grad)
             why="Every micro-batch crosses every rank v times, and the longer warm-up keeps more micro-batches alive.",
         ),
         QuizQuestion(
-            question="Why can the weight-gradient pass (W) be moved into the bubble but not the input-gradient pass (I)?",
-            options=["The previous stage waits for I's result; W's is needed only at the optimizer step",
-                     "W is cheaper than I",
-                     "I needs no activations",
-                     "W runs on another GPU"],
-            answer=0,
-            why="I is on the critical path between stages; W is not.",
-        ),
-        QuizQuestion(
             question="With F, I and W of equal cost, how does ZB-H1's idle time compare with 1F1B's?",
             options=["A third", "The same", "Half", "Zero"],
             answer=0,
             why="(p - 1)(t_F + t_I - t_W) against (p - 1)(t_F + t_I + t_W): 1 against 3.",
+        ),
+        QuizQuestion(
+            question="In DualPipeV on p ranks, which rank computes the loss?",
+            options=["Rank 0: it holds the first stage and, at the top of the V, the last",
+                     "Rank p - 1, as in 1F1B",
+                     "Every rank, for its own micro-batches",
+                     "Rank p - 1, at the turn of the V"],
+            answer=0,
+            why="Rank r holds stages r and 2p - 1 - r: stage 2p - 1, with the head and the loss, is on rank 0.",
         ),
     ],
 )

@@ -12,12 +12,20 @@ def layer_assignment(n_layers, p, v):
         virtual.append(list(range(start, start + size)))
         start += size
     return [[virtual[r * v + c] for c in range(v)] for r in range(p)]
+
+
+def v_placement(p):
+    return [[r, 2 * p - 1 - r] for r in range(p)]
 '''),
     ("1", "remainder dropped", "are on no rank", '''
 def layer_assignment(n_layers, p, v):
     size = n_layers // (p * v)
     virtual = [list(range(s * size, (s + 1) * size)) for s in range(p * v)]
     return [[virtual[c * p + r] for c in range(v)] for r in range(p)]
+
+
+def v_placement(p):
+    return [[r, 2 * p - 1 - r] for r in range(p)]
 '''),
     ("1", "remainder on the last stages", "take the extra layers (virtual stage 0 first)", '''
 def layer_assignment(n_layers, p, v):
@@ -29,6 +37,40 @@ def layer_assignment(n_layers, p, v):
         virtual.append(list(range(start, start + size)))
         start += size
     return [[virtual[c * p + r] for c in range(v)] for r in range(p)]
+
+
+def v_placement(p):
+    return [[r, 2 * p - 1 - r] for r in range(p)]
+'''),
+    ("1", "V placed as a loop", "is interleaving's loop", '''
+def layer_assignment(n_layers, p, v):
+    stages = p * v
+    base, extra = divmod(n_layers, stages)
+    virtual, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        virtual.append(list(range(start, start + size)))
+        start += size
+    return [[virtual[c * p + r] for c in range(v)] for r in range(p)]
+
+
+def v_placement(p):
+    return [[r, p + r] for r in range(p)]
+'''),
+    ("1", "V off by one", "are not", '''
+def layer_assignment(n_layers, p, v):
+    stages = p * v
+    base, extra = divmod(n_layers, stages)
+    virtual, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        virtual.append(list(range(start, start + size)))
+        start += size
+    return [[virtual[c * p + r] for c in range(v)] for r in range(p)]
+
+
+def v_placement(p):
+    return [[r, 2 * p - r] for r in range(p)]
 '''),
     ("2", "weight gradient transposed", "it is transposed", '''
 def input_grad(grad_out, weight):
@@ -71,4 +113,7 @@ PRINTED = [
     "1f1b       : idle time per rank 9, bubble ratio 0.3750",
     "zero-bubble: idle time per rank 3, bubble ratio 0.1250",
     "(worst relative difference",
+    "dualpipev  : idle time per rank 1.5, bubble ratio 0.0625, stages' activations in flight [4.5, 4.5, 4.5, 4.5]",
+    "pp = 4 dualpipev",
+    "the V matches the engine's DualPipeV placement for p = 2, 3, 4, 8",
 ]

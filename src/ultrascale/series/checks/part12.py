@@ -161,3 +161,34 @@ def exercise_2(input_grad, weight_grad):
         assert torch.allclose(got_t, want_t), (f"with W deferred after the whole backward, the gradient of the "
                                                f"{name} differs from autograd's")
     print("input and weight gradients equal autograd's, also with the weight pass deferred after the backward")
+
+
+def exercise_v(v_placement):
+    """v_placement(p) -> [[stage of chunk 0, stage of chunk 1] for each rank]: DualPipeV's V."""
+    from ultrascale.parallel.pipeline.partition import virtual_stages
+
+    for p in (2, 3, 4, 8):
+        want = [virtual_stages(r, p, 2, vshape=True) for r in range(p)]
+        try:
+            got = [[int(s) for s in pair] for pair in v_placement(p)]
+        except TypeError:
+            raise AssertionError(f"p = {p}: return a list per rank of its two stages") from None
+        if len(got) != p or any(len(pair) != 2 for pair in got):
+            raise AssertionError(f"p = {p}: want {p} ranks of 2 stages each, got {got}")
+        if got == want:
+            continue
+        if got == [[r, p + r] for r in range(p)]:
+            raise AssertionError(f"p = {p}: {got} is interleaving's loop (chunk c is stage c·p + r): stage p "
+                                 f"would start again on rank 0, not turn on rank {p - 1}; in a V, rank r's "
+                                 f"second stage is 2p - 1 - r, so rank 0 holds {want[0]}")
+        if sorted(s for pair in got for s in pair) != list(range(2 * p)):
+            raise AssertionError(f"p = {p}: the stages {sorted(s for pair in got for s in pair)} are not "
+                                 f"0 .. {2 * p - 1}, each once (off by one? rank 0's second stage is {2 * p - 1})")
+        where = {s: r for r, pair in enumerate(got) for s in pair}
+        for s in range(2 * p - 1):
+            if abs(where[s] - where[s + 1]) > 1:
+                raise AssertionError(f"p = {p}: stage {s} on rank {where[s]} sends to stage {s + 1} on rank "
+                                     f"{where[s + 1]}: not a neighbour; the V goes down then back up")
+        raise AssertionError(f"p = {p}: got {got}, the engine places {want}: chunk 0 goes down (stage r), "
+                             f"chunk 1 comes back up (stage 2p - 1 - r)")
+    print("the V matches the engine's DualPipeV placement for p = 2, 3, 4, 8")
