@@ -50,7 +50,7 @@ def train_and_measure(cfg):
 print(f"bytes per parameter on each of {WORLD} ranks (bf16 parameters, fp32 gradients, AdamW with fp32 masters)")
 for zero in range(4):
     mem = on_ranks(WORLD, train_and_measure, run_config(zero))
-    assert mem[0] == mem[1]  # every rank holds the same amount
+    assert all(mem[0][k] == mem[1][k] for k in ("params", "grads", "optim"))  # every rank holds the same
     owners = "  ".join(f"{k} {mem[0][k] / psi:5.2f}" for k in ("params", "grads", "optim"))
     print(f"ZeRO-{zero}: {owners}  | total {sum(mem[0][k] for k in ('params', 'grads', 'optim')) / psi:5.2f}")
 ''')
@@ -242,6 +242,38 @@ for model in ("llama3-8b", "llama3-70b"):
 ''')
 
 
+OFFLOAD_MEMORY = code(r'''
+def with_offload(cfg, offload):
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload=offload))
+
+
+print(f"bytes per parameter on each of {WORLD} ranks: on the device, and moved off it by --offload cpu")
+for zero in (1, 3):
+    for offload in ("none", "cpu"):
+        mem = on_ranks(WORLD, train_and_measure, with_offload(run_config(zero), offload))[0]
+        moved = mem.get("offloaded") or {"optim": 0, "params": 0}
+        device = "  ".join(f"{k} {mem[k] / psi:5.2f}" for k in ("params", "grads", "optim"))
+        print(f"ZeRO-{zero}, offload {offload:4s}: device {device} | host {(moved['optim'] + moved['params']) / psi:5.2f}")
+''')
+
+OFFLOAD_PLAN = code(r'''
+from ultrascale.plan.search import search
+
+shape = get_shape("llama3-70b")
+pins = {"pp": 1, "cp": 1}  # 8 GPUs, one node, without pipeline or context parallelism
+plain = search(shape, 8, gpu, framework, 4096, 16 * 4096, "bf16", {**pins, "offload": "none"})
+smallest = plain.smallest
+print(f"llama3-70b on 8 x {gpu.gpu.name}, no offload: {plain.enumerated} layouts, {len(plain.ranked)} fit; "
+      f"the smallest needs {smallest.memory.peak.total / GiB:.1f} GiB per GPU ({smallest.layout.label()})")
+best = search(shape, 8, gpu, framework, 4096, 16 * 4096, "bf16", pins).ranked[0]
+b = best.time.breakdown
+print(f"the planner's answer: {best.layout.label()}")
+print(f"  {best.memory.peak.total / GiB:.1f} GiB per GPU, {best.memory.peak.offloaded / GiB:.1f} GiB per GPU in host memory")
+print(f"  step {best.time.step_s:.2f} s: optimizer on the host {b['optimizer']:.2f} s, PCIe copies not hidden "
+      f"{b['offload']:.2f} s, compute {b['compute'] + b['recompute']:.2f} s")
+''')
+
+
 EX1_STARTER = r'''
 def gather_linear(shard, shape, all_gather):
     # Just in time, before the layer's forward (and again before its backward): all-gather the layer's
@@ -341,6 +373,8 @@ EPISODE = Episode(
         "Communication per step, counted by wrapping the engine's collectives: DP and ZeRO-1/2 move about "
         "$2\\Psi$, ZeRO-3 about $3\\Psi$; ZeRO-2 reduce-scatters and ZeRO-3 does everything on every micro-batch",
         "Where each stage stops paying off: the planner across N and model sizes (Llama 3 8B and 70B)",
+        "Offload: the optimizer shard (and ZeRO-3's parameters) moved to host memory, measured on the engine; "
+        "and when it pays - the planner's answer for a model that fits only with it",
         "Exercises: just-in-time gathering of a ZeRO-3 layer on 2 ranks; bytes per rank per step for every stage, "
         "checked against what the engine's collectives moved",
     ],
@@ -471,6 +505,41 @@ than its all-gather (small micro-batches, slow links between nodes, thousands of
 steps), prefetching can no longer hide it.
 '''),
         ]),
+        Section("Offload: when even 1/N does not fit", [
+            md(r'''
+ZeRO divides the model states by $N$; with few GPUs and a large model even that is too much. The playbook's
+last lever here is **offload** (ZeRO-Offload, Ren et al. 2021): move this rank's **optimizer shard** - the
+fp32 master weights and Adam's two moments - off the GPU into host memory, and run the optimizer step **on
+the CPU**. With ZeRO-3 the parameter shard moves too, copied to the GPU just before each gather (PyTorch's
+FSDP2 `CPUOffloadPolicy`). ZeRO-Infinity goes one tier further: the states in files on NVMe drives, streamed
+through host memory.
+
+The engine's `--offload cpu|disk` (parallel/offload.py) does exactly that, one segment of the shard at a
+time: the gradient segment is copied to the host, AdamW updates the segment there (read from and written
+back to the files with `disk`), and the new values are copied back to the device's parameters - on a GPU on
+a side stream, so the next segment's copy runs while the CPU computes. On this CPU "host" and "device" are
+the same memory, so the copies are between two CPU tensors - but the code path is the real one, and so is
+the accounting:
+'''),
+            OFFLOAD_MEMORY,
+            md(r'''
+The optimizer column drops to zero on the device and reappears on the host, $12\Psi/N$ = 6 bytes per
+parameter on 2 ranks; with ZeRO-3 the bf16 parameter shard (1 byte per parameter) leaves as well. The
+gradients stay: they are produced on the device and copied over, segment by segment, during the step.
+
+The price is time: every step sends the gradients down and the parameters up over PCIe (about 50 GB/s per
+GPU, against 3 TB/s of HBM), and the CPU's AdamW runs at the host's memory bandwidth. So offload pays only
+where nothing else fits - and that is when the planner proposes it. Llama 3 70B on one node of 8 H100s,
+without pipeline or context parallelism:
+'''),
+            OFFLOAD_PLAN,
+            md(r'''
+Without offload no layout fits; with it, ZeRO-3 over the 8 GPUs keeps the model states in host memory, and
+the step pays for it in the CPU optimizer step and the copies the host step does not hide (the planner's
+hardware table holds the PCIe, host memory and NVMe bandwidth per GPU). More GPUs, or pipeline parallelism,
+would fit without that tax: offload is for when there are no more GPUs to add.
+'''),
+        ]),
     ],
     exercises=[
         Exercise(
@@ -555,18 +624,20 @@ part7.exercise_2(comm_bytes_per_rank)
             "Parameters are gathered twice (forward and backward) and the gradients reduce-scattered once.",
         ),
         QuizQuestion(
-            "What does prefetching do in ZeRO-3?",
-            ["Loads the next batch of data early", "Starts the all-gather of the next unit while the current one "
-             "computes", "Keeps every unit gathered for the whole step", "Reduce-scatters gradients before backward"],
-            1,
-            "Communication of unit i+1 overlaps compute of unit i, hiding it when compute is long enough.",
-        ),
-        QuizQuestion(
             "With ZeRO-3 on very many GPUs, what stops shrinking the memory per GPU?",
             ["The parameters", "The optimizer states", "The activations, which no ZeRO stage shards",
              "The gradients"],
             2,
             "Model states go as 1/N under ZeRO-3; activations depend on the micro-batch and sequence, not on N.",
+        ),
+        QuizQuestion(
+            "What does ZeRO-Offload trade, and when does the planner propose it?",
+            ["Communication for compute, always", "Step time (PCIe copies, a CPU optimizer step) for GPU memory, "
+             "only where no layout fits without it", "Accuracy for memory: the host keeps bf16 moments",
+             "Nothing: the copies are free behind compute"],
+            1,
+            "The states leave the GPU, but every step moves gradients and parameters over PCIe and runs Adam on "
+            "the host: worth it only when nothing else fits.",
         ),
     ],
 )

@@ -163,4 +163,10 @@ PRINTED = [
     "ZeRO-3 without the kept root would be 3 psi; with it: 3 - 0.31 = 2.69 psi",
     "  64    152.0  [  119.7]       63.7* [   31.3]       49.0* [   16.6]       35.3* [    1.9]",
     "llama3-8b ZeRO-1: doubling N saves < 10% from N = 8 on (73.5 GiB per GPU)",
+    # Offload: what leaves the device, measured; and the planner's answer where nothing else fits.
+    "ZeRO-1, offload cpu : device params  2.00  grads  4.00  optim  0.00 | host  6.00",
+    "ZeRO-3, offload none: device params  1.00  grads  2.00  optim  6.00 | host  0.00",
+    "ZeRO-3, offload cpu : device params  0.00  grads  2.00  optim  0.00 | host  7.00",
+    "llama3-70b on 8 x h100-80gb, no offload: 123 layouts, 0 fit",
+    "the planner's answer: dp8 tp1 pp1 zero3 offload:cpu rc:full mbs2 ga1",
 ]
