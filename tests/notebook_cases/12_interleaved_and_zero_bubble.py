@@ -115,5 +115,4 @@ PRINTED = [
     "(worst relative difference",
     "dualpipev  : idle time per rank 1.5, bubble ratio 0.0625, stages' activations in flight [4.5, 4.5, 4.5, 4.5]",
     "pp = 4 dualpipev",
-    "the V matches the engine's DualPipeV placement for p = 2, 3, 4, 8",
 ]
