@@ -116,8 +116,8 @@ HOSTS = {
     "a100-80gb": Host("DGX A100 host (PCIe Gen4, DDR4, NVMe)", 25e9, 0.6 * 410e9 / 8, 4 * 3e9 / 8),
     "a100-40gb": Host("DGX A100 host (PCIe Gen4, DDR4, NVMe)", 25e9, 0.6 * 410e9 / 8, 4 * 3e9 / 8),
     # One rank on a CPU: host and device are one memory, so a "transfer" is a copy at the
-    # elementwise rate measured for cpu-core below; the disk figure is measured by
-    # benchmarks/bench_offload.py on this machine (page cache and virtio disk).
+    # elementwise rate measured for cpu-core below. The disk figure is an assumption, not a
+    # measurement: a virtio disk's sequential rate (a small run's states stay in the page cache).
     "cpu-core": Host("the same memory (a CPU rank)", 6.07e9, 6.07e9, 1.0e9),
 }
 
