@@ -41,6 +41,9 @@ OPTIMIZER = "optimizer"  # clipping (with its norm all-reduce), AdamW, the copy 
 COMPUTE = (FORWARD, BACKWARD, OPTIMIZER)
 
 COMM_PREFIX = "comm:"
+# A pipeline action, named as the schedule prints it (pp:F3.1, pp:POST_B2.1, pp:RECV_F0): the
+# schedule as executed, readable in the trace. Neither compute nor communication by itself.
+PP_ACTION = "pp:"
 # The communication the engine issues, "technique.operation" (a leading "comm:" is added).
 COMM = {
     "dp.all_reduce": "a gradient's all-reduce (naive: blocking; overlap: the async launch)",
@@ -55,6 +58,8 @@ COMM = {
     "sp.grad_all_reduce": "sequence parallelism: a norm weight's gradient summed over the TP group",
     "pp.send": "pipeline: an activation or gradient send (async launch)",
     "pp.recv": "pipeline: an activation or gradient receive (blocking)",
+    "pp.irecv": "pipeline: a gradient receive posted ahead (DualPipe's pairs: async launch)",
+    "pp.recv_wait": "pipeline: waiting for a receive posted ahead",
     "pp.wait": "pipeline: waiting for the sends of the step",
     "pp.broadcast": "pipeline: the last stage's loss to the other stages",
     "cp.send_recv": "context parallelism: a ring step's K/V exchange (launch)",

@@ -7,7 +7,12 @@ to the last one's end):
 - compute: the forward, backward and optimizer spans, less the communication
   spans the same thread ran inside them (a launch, a blocking collective, a wait);
 - communication: every `comm:` span, and the backends' own events for the time
-  collectives actually run (gloo's `gloo:*` on its worker threads);
+  collectives actually run (gloo's `gloo:*` on its worker threads); gloo records a
+  point-to-point message on the thread that issued it, from the launch to the return
+  of its wait(): that is time in flight, not time blocked (the blocking part is the
+  `comm:` span of the receive or the wait), so such a message counts once, on its
+  receiver (`gloo:recv`, from the post to the wait: an upper bound of the transfer),
+  and a sender's `gloo:send`, in flight until a wait at the end of the step, not at all;
   (a trace with GPU kernels is read on the GPU's timeline instead: NCCL kernels are
   the communication, the other kernels the compute);
 - idle: the window less both (data loading, zeroing, the profiler, waiting on nothing);
@@ -30,6 +35,9 @@ from collections import defaultdict
 
 from ultrascale.errors import ConfigError
 from ultrascale.spans import COMPUTE, STEP, is_comm
+
+# gloo's point-to-point events: recorded launch-to-wait on the issuing thread (module docstring).
+P2P_RECEIVE, P2P_SEND = "gloo:recv", "gloo:send"
 
 Intervals = list[tuple[float, float]]
 
@@ -169,10 +177,12 @@ def analyse(events: list[dict], top: int = 8) -> dict:
     else:
         compute_spans = [e for e in events if e["name"] in COMPUTE]
         compute_threads = {e.get("tid") for e in compute_spans}
-        comm_events = [e for e in events if is_comm(e["name"])]
+        comm_events = [e for e in events if is_comm(e["name"]) and e["name"] != P2P_SEND]
         comm = intersect([_interval(e) for e in comm_events], clip)
-        # A thread blocked in (or launching) a collective inside a backward span is not computing.
-        blocking = [_interval(e) for e in comm_events if e.get("tid") in compute_threads]
+        # A thread blocked in (or launching) a collective inside a backward span is not computing;
+        # a receive merely in flight on it does not block it.
+        blocking = [_interval(e) for e in comm_events
+                    if e.get("tid") in compute_threads and e["name"] != P2P_RECEIVE]
         compute = intersect(subtract([_interval(e) for e in compute_spans], blocking), clip)
     overlap = length(intersect(comm, compute))
     busy = length(merge(comm + compute))

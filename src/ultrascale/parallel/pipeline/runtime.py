@@ -11,6 +11,14 @@ In a V (DualPipeV) a chunk's neighbour may sit on either side, or on the rank
 itself: at the turn of the V, rank p-1 hands its chunk 0's output to its chunk 1
 (and the gradient back) through a local mailbox instead of a message.
 
+DualPipe's overlapped pairs (a forward of one micro-batch, then the backward of
+another on the other chunk): the backward's gradient receive is posted (POST_B,
+an irecv) before the forward runs, and the forward's output is sent (isend)
+before the backward runs, so each one's message travels, on gloo's transport
+thread or NCCL's stream, while the other computes; RECV_B then waits only for
+what has not yet arrived. Every action runs inside a `pp:<action>` span, so a
+profiled step shows the schedule as executed.
+
 Gradients: every backward runs inside the gradient owner's `no_sync()` except
 the last one of each chunk (for zero-bubble: its last I and last W), so data
 parallelism reduces once per optimizer step, after the last backward.
@@ -33,7 +41,7 @@ from ultrascale.parallel.pipeline.stage import (
     split_layers,
     virtual_stages,
 )
-from ultrascale.spans import BACKWARD, FORWARD, comm, span
+from ultrascale.spans import BACKWARD, FORWARD, PP_ACTION, comm, span
 
 
 class PipelineRuntime:
@@ -52,6 +60,7 @@ class PipelineRuntime:
         self.chunks = [StageChunk(model, layers[s], s == 0, s == last)
                        for s in virtual_stages(self.rank, self.p, self.v, self.vshape)]
         self.mailbox: dict = {}  # the V's turn: (kind, micro, destination stage) -> tensor
+        self.posted: dict = {}  # receives posted ahead: (kind, micro, destination stage) -> (work, buffer)
         self.actions = schedule(pc.pp_schedule, self.p, self.m, self.v)[self.rank]
         self.synced = self._last_backwards()
         # What travels between stages: this rank's shard of the sequence (cp), cut again by tp under SP.
@@ -91,10 +100,22 @@ class PipelineRuntime:
         with comm("pp.send"):
             sends.append((dist.isend(tensor, dst=peer, tag=self._tag(micro, stage, kind)), tensor))
 
+    def _post(self, stage: int, kind: str, micro: int, src_stage: int) -> None:
+        """Post a receive now (irecv); the matching RECV waits for it."""
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.ctx.device)
+        with comm("pp.irecv"):
+            work = dist.irecv(buf, src=self._peer(src_stage), tag=self._tag(micro, stage, kind))
+        self.posted[(kind, micro, stage)] = (work, buf)
+
     def _recv(self, stage: int, kind: str, micro: int, src_stage: int):
         peer = self._peer(src_stage)
         if peer is None:
             return self.mailbox.pop((kind, micro, stage))
+        if (kind, micro, stage) in self.posted:
+            work, buf = self.posted.pop((kind, micro, stage))
+            with comm("pp.recv_wait"):
+                work.wait()
+            return buf
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.ctx.device)
         with comm("pp.recv"):
             dist.recv(buf, src=peer, tag=self._tag(micro, stage, kind))
@@ -113,35 +134,38 @@ class PipelineRuntime:
         for i, a in enumerate(self.actions):
             start = time.perf_counter()
             key, stage = (a.micro, a.chunk), stage_of(self.rank, a.chunk, self.p, self.vshape)
-            if a.kind == "RECV_F":
-                inputs[key] = self._recv(stage, "F", a.micro, stage - 1).detach().requires_grad_()
-            elif a.kind == "RECV_B":
-                recv_grad[key] = self._recv(stage, "B", a.micro, stage + 1)
-            elif a.kind == "SEND_F":
-                self._send(outputs[key].detach(), stage + 1, "F", a.micro, sends)
-            elif a.kind == "SEND_B":
-                self._send(inputs.pop(key).grad, stage - 1, "B", a.micro, sends)
-            elif a.kind == "F":
-                chunk = self.chunks[a.chunk]
-                x = micro_batches[a.micro][0] if chunk.first else inputs[key]
-                with self.meter.forward() if self.measure else contextlib.nullcontext(), span(FORWARD):
-                    out = chunk(x, self.seq_len, micro_batches[a.micro][2])
-                    if chunk.last:
-                        loss = self.loss_fn(out, micro_batches[a.micro][1])
-                        losses[key] = loss.detach()
-                        # The sum over micro-batches is the global-batch mean (times fp16's loss scale).
-                        out = loss / self.m if self.loss_scale == 1.0 else loss * (self.loss_scale / self.m)
-                outputs[key] = out
-                if self.measure:
-                    held[key] = sum(self.meter.saved.values())
-                    in_flight += held[key]
-                    peak = max(peak, in_flight)
-            else:  # B, I, W
-                sync = contextlib.nullcontext() if i in self.synced else self.grads.no_sync()
-                with sync, span(BACKWARD):
-                    self._backward(a, outputs, recv_grad)
-                if a.kind in ("B", "I") and key in held:
-                    in_flight -= held.pop(key)
+            with span(PP_ACTION + repr(a)):
+                if a.kind == "POST_B":
+                    self._post(stage, "B", a.micro, stage + 1)
+                elif a.kind == "RECV_F":
+                    inputs[key] = self._recv(stage, "F", a.micro, stage - 1).detach().requires_grad_()
+                elif a.kind == "RECV_B":
+                    recv_grad[key] = self._recv(stage, "B", a.micro, stage + 1)
+                elif a.kind == "SEND_F":
+                    self._send(outputs[key].detach(), stage + 1, "F", a.micro, sends)
+                elif a.kind == "SEND_B":
+                    self._send(inputs.pop(key).grad, stage - 1, "B", a.micro, sends)
+                elif a.kind == "F":
+                    chunk = self.chunks[a.chunk]
+                    x = micro_batches[a.micro][0] if chunk.first else inputs[key]
+                    with self.meter.forward() if self.measure else contextlib.nullcontext(), span(FORWARD):
+                        out = chunk(x, self.seq_len, micro_batches[a.micro][2])
+                        if chunk.last:
+                            loss = self.loss_fn(out, micro_batches[a.micro][1])
+                            losses[key] = loss.detach()
+                            # The sum over micro-batches is the global-batch mean (times fp16's loss scale).
+                            out = loss / self.m if self.loss_scale == 1.0 else loss * (self.loss_scale / self.m)
+                    outputs[key] = out
+                    if self.measure:
+                        held[key] = sum(self.meter.saved.values())
+                        in_flight += held[key]
+                        peak = max(peak, in_flight)
+                else:  # B, I, W
+                    sync = contextlib.nullcontext() if i in self.synced else self.grads.no_sync()
+                    with sync, span(BACKWARD):
+                        self._backward(a, outputs, recv_grad)
+                    if a.kind in ("B", "I") and key in held:
+                        in_flight -= held.pop(key)
             self.trace.append((repr(a), a.kind, start - t0, time.perf_counter() - t0))
         with comm("pp.wait"):
             for work, _ in sends:

@@ -17,6 +17,9 @@ which nobody waits for: zero-bubble schedules move it into the bubbles).
 Communication actions, inserted by `with_communication`: RECV_F before a forward
 that does not start the model, SEND_F after one that does not end it; RECV_B /
 SEND_B likewise for the input gradient. Sends are asynchronous, receives wait.
+DualPipe's overlapped pairs add POST_B: the paired backward's gradient receive is
+posted before the forward runs, so it travels while the forward computes and its
+RECV_B only waits for what has (usually) arrived.
 """
 
 from __future__ import annotations
@@ -24,13 +27,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ultrascale.config import PP_SCHEDULE_ALIASES, PP_SCHEDULES
-from ultrascale.parallel.pipeline.partition import v_shaped
+from ultrascale.parallel.pipeline.partition import rank_of_stage, v_shaped
 
 SCHEDULES = PP_SCHEDULES  # the names the configuration accepts, each built below
 
 
 class Action(NamedTuple):
-    kind: str  # F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B
+    kind: str  # F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, POST_B
     micro: int
     chunk: int = 0
 
@@ -216,15 +219,30 @@ def chunks_of(name: str, v: int = 1) -> int:
     return 2 if v_shaped(PP_SCHEDULE_ALIASES.get(name, name)) else v
 
 
+def overlapped_pairs(acts: list[Action]) -> list[tuple[int, int]]:
+    """(forward, backward) indices of the pairs DualPipe overlaps: a full B of one chunk straight
+    after an F of the other, micro-batches apart (dualpipe_v's phases 4 and 5). On a GPU the two
+    run as one overlapped step; here each one's communication travels while the other computes."""
+    return [(i, i + 1) for i, (a, b) in enumerate(zip(acts, acts[1:]))
+            if a.kind == "F" and b.kind == "B" and a.chunk != b.chunk]
+
+
 def with_communication(actions: list[list[Action]], p: int, v: int, vshape: bool = False) -> list[list[Action]]:
     """Insert the sends and receives each compute action needs (in a V, the turn from stage
-    p-1 to stage p is a send and a receive on the same rank: a hand-off, no message)."""
+    p-1 to stage p is a send and a receive on the same rank: a hand-off, no message). In a V,
+    an overlapped pair's backward has its gradient receive posted (POST_B) before the forward."""
     last = p * v - 1
     out = []
     for rank, acts in enumerate(actions):
         seq = []
-        for a in acts:
+        ahead = {f: acts[b] for f, b in overlapped_pairs(acts)} if vshape else {}
+        for i, a in enumerate(acts):
             stage = stage_of(rank, a.chunk, p, vshape)
+            if i in ahead:  # the paired B's gradient comes from another rank: post its receive first
+                b = ahead[i]
+                b_stage = stage_of(rank, b.chunk, p, vshape)
+                if b_stage < last and rank_of_stage(b_stage + 1, p, vshape) != rank:
+                    seq.append(Action("POST_B", b.micro, b.chunk))
             if a.kind == "F":
                 seq += [Action("RECV_F", a.micro, a.chunk)] if stage > 0 else []
                 seq.append(a)

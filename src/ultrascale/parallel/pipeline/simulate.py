@@ -3,7 +3,9 @@
 Every rank starts at time 0 and runs its actions in order. A compute action
 starts when the rank is free and its inputs have arrived: a receive waits for
 the matching send (plus `t_comm`); sends cost nothing on the sender (they are
-asynchronous). Costs: F = t_f, I = t_b, W = t_w, and an unsplit B = t_b + t_w.
+asynchronous; so is posting a receive ahead, POST_B, which changes nothing here: a message
+in flight is already modelled as travelling while its receiver computes). Costs: F = t_f,
+I = t_b, W = t_w, and an unsplit B = t_b + t_w.
 With chunks, the costs are those of one chunk.
 
 The bubble ratio is the playbook's r_bubble: idle time over compute time of a
@@ -72,7 +74,9 @@ def simulate(actions: list[list[Action]], p: int, v: int = 1, t_f: float = 1.0, 
                     key = ("B", a.micro, stage + 1)
                 else:
                     key = None
-                if key is not None:
+                if a.kind == "POST_B":
+                    pass
+                elif key is not None:
                     if key not in sent:
                         break  # blocked until the sender gets there
                     clock[r] = max(clock[r], sent[key])
