@@ -97,6 +97,18 @@ def test_pipeline_stage_holds_its_blocks_and_in_flight_micro_batches(capsys):
     assert one["memory"]["activations"] > 0
 
 
+def test_dualpipe_names_dualpipev_as_the_engine_reads_it(capsys):
+    # `--pp-schedule dualpipe` runs the V form; the planner reads `--schedule dualpipe` the same way.
+    v = memory_json(capsys, "--model", "llama3-8b", "--pp", "4", "--grad-accum", "8", "--chunks", "2", "--schedule",
+                    "dualpipev", "--framework", "ultrascale")
+    assert v["layout"]["schedule"] == "dualpipev" and v["memory"]["in_flight_micro_batches"] > 0
+    assert memory_json(capsys, "--model", "llama3-8b", "--pp", "4", "--grad-accum", "8", "--chunks", "2",
+                       "--schedule", "dualpipe", "--framework", "ultrascale") == v
+    code, out, err = cli(capsys, "plan", "--model", "llama3-8b", "--gpus", "8", "--schedule", "dualpipe", "--json")
+    assert code == 0, err
+    assert {c["layout"]["schedule"] for c in json.loads(out)["candidates"]} == {"dualpipev"}
+
+
 def test_schedule_closed_forms():
     assert bubble_fraction("1f1b", 4, 8) == 3 / 8 and bubble_fraction("afab", 4, 8) == 3 / 8
     assert bubble_fraction("interleaved", 4, 8, 2) == 3 / 16

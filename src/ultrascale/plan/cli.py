@@ -26,6 +26,13 @@ MODEL_FLAGS = [
     ("--top-k", "top_k", int, "MoE: experts each token visits"),
     ("--expert-ffn-hidden", "expert_ffn_hidden", int, "MoE: width of one expert's MLP"),
 ]
+def schedule_name(name: str) -> str:
+    """--schedule as the engine's --pp-schedule reads it: `dualpipe` names its V form, dualpipev."""
+    from ultrascale.config import PP_SCHEDULE_ALIASES
+
+    return PP_SCHEDULE_ALIASES.get(name, name)
+
+
 LAYOUT_FLAGS = [  # (flag, Layout field, type, help); None default: searched (plan) or the Layout default (memory)
     ("--dp", "dp", int, "data-parallel size"),
     ("--tp", "tp", int, "tensor-parallel size"),
@@ -37,7 +44,8 @@ LAYOUT_FLAGS = [  # (flag, Layout field, type, help); None default: searched (pl
     ("--zero", "zero", int, "ZeRO stage 0-3"),
     ("--recompute", "recompute", str, "activation recomputation: none, selective, full"),
     ("--micro-batch", "micro_batch", int, "sequences per micro-batch per data-parallel rank"),
-    ("--schedule", "schedule", str, "pipeline schedule: afab, 1f1b, interleaved, zero-bubble, dualpipev"),
+    ("--schedule", "schedule", schedule_name, "pipeline schedule: afab, 1f1b, interleaved, zero-bubble, dualpipev "
+                                              "(dualpipe: its V form)"),
     ("--chunks", "chunks", int, "model chunks per pipeline rank (interleaved)"),
     ("--pp-first-stage-layers", "first_stage_layers", int, "blocks of the first pipeline stage (0: the even split)"),
     ("--pp-last-stage-layers", "last_stage_layers", int, "blocks of the last pipeline stage (0: the even split)"),
