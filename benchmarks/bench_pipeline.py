@@ -5,7 +5,8 @@ One set of `--pp` processes (one torch thread each) runs these runners, interlea
 (benchmarks/_common.py: warm-up steps, then rounds in rotating order, a barrier before each block):
 
 - ours, one per `--schedules` entry: the real `Trainer.train_step` with `--pp-schedule`
-  naive | afab | 1f1b | interleaved (`--chunks` chunks per rank) | zero-bubble, m = `--micro-batches`.
+  naive | afab | 1f1b | interleaved (`--chunks` chunks per rank) | zero-bubble | dualpipev (two chunks
+  per rank in a V), m = `--micro-batches`.
   `PipelineRuntime.run` is wrapped (here, not in the engine) to note the moment it is entered and left
   on the machine's monotonic clock, which all processes share; the runtime's recorded `trace`
   (start and end of every action, relative to its own start) is shifted by that moment, so the
@@ -34,7 +35,9 @@ Bubble: for every recorded step of ours, `draw.measured_bubble_ratio` of the ali
 ((T - busy) / busy of the busiest rank, T from the first action's start to the last one's end;
 receives and sends count as idle); the table gives the mean over steps. The mean cost of each compute
 action (F, B, I, W: one chunk, over all ranks and steps) is fed to the simulator for the prediction,
-next to the unit-cost prediction (the closed forms). Pictures: the recorded timeline of the step whose
+next to the unit-cost prediction (the closed forms). Activations: the engine's activation meter
+(bytes autograd saved for backward, held from a micro-batch's F to its B or I), its peak per rank
+and step. Pictures: the recorded timeline of the step whose
 bubble is the median (`draw.draw`) and the simulated one with the measured costs
 (`ultrascale pp-schedule ... --out`), under `--img-dir`.
 
@@ -58,10 +61,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as common  # noqa: E402
 
-SCHEDULE_NAMES = ("naive", "afab", "1f1b", "interleaved", "zero-bubble")
+SCHEDULE_NAMES = ("naive", "afab", "1f1b", "interleaved", "zero-bubble", "dualpipev")
 PEERS = {"1f1b": "torch-1f1b", "interleaved": "torch-interleaved"}
 LABELS = {"naive": "ours naive", "afab": "ours AFAB", "1f1b": "ours 1F1B", "interleaved": "ours interleaved",
-          "zero-bubble": "ours ZB-H1", "torch-1f1b": "torch Schedule1F1B",
+          "zero-bubble": "ours ZB-H1", "dualpipev": "ours DualPipeV", "torch-1f1b": "torch Schedule1F1B",
           "torch-interleaved": "torch ScheduleInterleaved1F1B"}
 
 
@@ -69,12 +72,15 @@ def run_config(spec: dict, pp: int, name: str):
     from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, validate
     from ultrascale.model.config import ModelConfig
 
-    v = spec["chunks"] if name == "interleaved" else 1
-    p = ParallelConfig(dp=1, pp=pp, pp_schedule=name, pp_chunks=v)
+    p = ParallelConfig(dp=1, pp=pp, pp_schedule=name, pp_chunks=chunks(name, spec))
     t = TrainConfig(steps=10**6, seq_len=spec["seq_len"], micro_batch=spec["micro_batch"],
                     grad_accum=spec["micro_batches"], grad_clip=spec["grad_clip"], seed=spec["seed"], device="cpu",
-                    progress=False, measure_activations=False)
+                    progress=False, measure_activations=True)
     return validate(RunConfig(model=ModelConfig(**spec["model"]), parallel=p, train=t), pp)
+
+
+def chunks(name: str, spec: dict) -> int:
+    return {"interleaved": spec["chunks"], "dualpipev": 2}.get(name, 1)
 
 
 class Ours:
@@ -86,7 +92,7 @@ class Ours:
         cfg = run_config(spec, pp, name)
         self.trainer = Trainer(cfg, worker_context(cfg.parallel))
         self.runtime = self.trainer.pipeline
-        self.losses, self.spans, self.traces = [], [], []
+        self.losses, self.spans, self.traces, self.activations = [], [], [], []
         run = self.runtime.run
 
         def timed_run(micro_batches):
@@ -103,6 +109,7 @@ class Ours:
         self.spans.append(self._span)
         self.traces.append([(lb, kind, start + s, start + e) for lb, kind, s, e in self.runtime.trace])
         self.losses.append(m["loss"])
+        self.activations.append(m["memory"]["activations"])  # this rank's peak of the step, bytes
         return m["step_time_s"]
 
 
@@ -212,6 +219,7 @@ def worker(keys: list[str], spec: dict) -> dict:
            # interleave runs the warm-up steps first: the timed ones are the rest, in order
            "spans": {r.key: r.spans[warm:] for r in runners},
            "traces": {r.key: r.traces[warm:] for r in runners if isinstance(r, Ours)},
+           "activations": {r.key: r.activations[warm:] for r in runners if isinstance(r, Ours)},
            "losses": {r.key: r.losses for r in runners}}
     del runners
     gc.collect()
@@ -231,22 +239,24 @@ def cost_of(traces_per_rank: list[list[list[tuple]]]) -> dict:
 
 
 def predictions(name: str, p: int, m: int, v: int, costs: dict) -> dict:
+    from ultrascale.parallel.pipeline.partition import v_shaped
     from ultrascale.parallel.pipeline.schedules import schedule
     from ultrascale.parallel.pipeline.simulate import simulate
 
-    acts = schedule(name, p, m, v)
-    unit = simulate(acts, p, v)
+    acts, vshape = schedule(name, p, m, v), v_shaped(name)
+    unit = simulate(acts, p, v, vshape=vshape)
     if "I" in costs:
         t_f, t_b, t_w = costs["F"], costs["I"], costs["W"]
     else:
         t_f, t_b, t_w = costs["F"], costs["B"], 0.0  # an unsplit B costs t_b + t_w
-    sim = simulate(acts, p, v, t_f, t_b, t_w)
+    sim = simulate(acts, p, v, t_f, t_b, t_w, vshape=vshape)
     return {"unit": unit.bubble_ratio, "measured_costs": sim.bubble_ratio, "sim_makespan_s": sim.makespan,
+            "unit_in_flight": unit.peak_in_flight,
             "t_f": t_f, "t_b": t_b, "t_w": t_w}
 
 
 CLOSED_FORM = {"naive": "p-1", "afab": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v m)",
-               "zero-bubble": "(p-1)/(3m)"}
+               "zero-bubble": "(p-1)/(3m)", "dualpipev": "(p-1)/(6m)"}
 
 
 def bench(pp: int, keys: list[str], spec: dict, args) -> dict:
@@ -270,7 +280,7 @@ def bench(pp: int, keys: list[str], spec: dict, args) -> dict:
                "fb_cpu": common.summary(cpu), "step_times_s": times[lb], "fb_times_s": fb, "fb_cpu_s": cpu,
                "losses": per_rank[0]["losses"][k]}
         if k in per_rank[0]["traces"]:
-            v = spec["chunks"] if k == "interleaved" else 1
+            v = chunks(k, spec)
             steps = list(zip(*(r["traces"][k] for r in per_rank)))  # per step: each rank's trace
             bubbles = [draw.measured_bubble_ratio(list(s)) for s in steps]
             costs = cost_of([r["traces"][k] for r in per_rank])
@@ -280,6 +290,8 @@ def bench(pp: int, keys: list[str], spec: dict, args) -> dict:
             comm = [e - s for r in per_rank for tr in r["traces"][k] for _, kind, s, e in tr
                     if kind.startswith(("SEND", "RECV"))]
             row["comm_actions_ms_mean"] = 1e3 * statistics.fmean(comm) if comm else 0.0
+            # Peak activations per rank: the median over the timed steps (the meter counts bytes: steady).
+            row["activations_mib"] = [statistics.median(r["activations"][k]) / 2**20 for r in per_rank]
             if args.img_dir and pp == args.img_pp:
                 row["images"] = pictures(k, pp, m, v, steps, bubbles, row["prediction"], args.img_dir)
         rows[k] = row
@@ -343,7 +355,7 @@ def markdown(results: list[dict], machine: dict, spec: dict, n_params: int, comm
         f"{spec['chunks']}. {spec['warmup']} warm-up steps per runner, then {spec['repeats']} interleaved rounds "
         f"of {spec['steps']} steps.", "",
         "Measured bubble (mean over the timed steps [min-max]) against the simulator; per-action costs in ms "
-        "(one chunk; mean over ranks and steps; t_b is B for unsplit schedules, I for ZB-H1):", "",
+        "(one chunk; mean over ranks and steps; t_b is B for unsplit schedules, I for ZB-H1 and DualPipeV):", "",
         "| pp | schedule | measured bubble | t_f | t_b | t_w | predicted, measured costs | predicted, unit costs "
         "| closed form | send/recv (ms, mean) | fwd+bwd (s) |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
@@ -361,6 +373,17 @@ def markdown(results: list[dict], machine: dict, spec: dict, n_params: int, comm
                 f"[{min(r['bubbles']):.3f}-{max(r['bubbles']):.3f}] | {1e3 * c['F']:.1f} | {1e3 * t_b:.1f} | {t_w} | "
                 f"{pr['measured_costs']:.3f} | {pr['unit']:.3f} | {CLOSED_FORM[r['key']]} | "
                 f"{r['comm_actions_ms_mean']:.2f} | {common.fmt_time(r['fb'])} |")
+    lines += ["", "Bubble (median over the timed steps) and peak activations per rank (MiB: the engine's meter, "
+              "median over the timed steps) beside the simulator's micro-batches in flight per rank (unit costs; "
+              "chunks where v > 1; counted to B, or to W when split):", "",
+              "| pp | schedule | measured bubble, median | activations per rank (MiB) | simulated in flight per rank |",
+              "|---:|---|---:|---|---|"]
+    for res in results:
+        for r in res["rows"]:
+            if "activations_mib" in r:
+                lines.append(f"| {r['pp']} | {r['runner']} | {statistics.median(r['bubbles']):.3f} | "
+                             + ", ".join(f"{a:.2f}" for a in r["activations_mib"]) + " | "
+                             + ", ".join(map(str, r["prediction"]["unit_in_flight"])) + " |")
     peer_rows = [r for res in results for r in res["rows"] if "vs_peer" in r]
     if peer_rows:
         lines += ["", "Against torch.distributed.pipelining (median [quartiles] seconds; fwd+bwd = first rank into "
