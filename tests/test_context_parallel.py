@@ -59,6 +59,38 @@ def test_merging_two_blocks_equals_softmax_over_both():
     torch.testing.assert_close(lse.double(), scores.logsumexp(-1), rtol=1e-6, atol=1e-6)
 
 
+def test_a_block_neither_builds_nor_keeps_its_score_matrix():
+    # The fused kernel tiles the scores: the largest allocation of a block's forward + backward is a
+    # tile (per thread: one thread here), well below one head's m x n scores. The math, the wrong
+    # variant, allocates the whole block's; and under autograd it would keep it for backward.
+    from torch.profiler import ProfilerActivity, profile
+
+    from ultrascale.parallel.context import blocks
+    from ultrascale.train.metrics import ActivationMeter
+
+    m = n = 1024
+    q, k, v = (torch.randn(1, h, m, 8) for h in (2, 1, 1))
+    one_head_scores = m * n * 4
+
+    def largest_allocation(forward, backward):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                out, lse = forward(q, k, v, True, 8 ** -0.5)
+                backward(q, k, v, torch.ones_like(q), out, lse, True, 8 ** -0.5)
+        finally:
+            torch.set_num_threads(threads)
+        return max(e.cpu_memory_usage for e in prof.events())
+
+    assert largest_allocation(blocks.block_forward, blocks.block_backward) < one_head_scores / 2
+    assert largest_allocation(blocks._forward_math, blocks._backward_math) >= 2 * one_head_scores
+    meter = ActivationMeter(())
+    with meter.forward():
+        blocks._forward_math(q.requires_grad_(), k, v, True, 8 ** -0.5)
+    assert meter.take_peak() >= 2 * one_head_scores
+
+
 # -- attention alone ----------------------------------------------------------------
 def _inputs(seq, heads, kv_heads, b=2, d=16):
     g = torch.Generator().manual_seed(1234)
@@ -70,6 +102,7 @@ def _attention_on_ranks(variant, seq, heads, kv_heads, fault=None):
     from ultrascale.parallel.context import COUNTS, ContextGroup, allgather_attention, blocks, ring_attention
     from ultrascale.parallel.context import ulysses_attention
     from ultrascale.testing.faults import inject
+    from ultrascale.train.metrics import ActivationMeter
 
     cpg = ContextGroup.of(worker_context(ParallelConfig(cp=dist.get_world_size())))
     q, k, v, dout = _inputs(seq, heads, kv_heads)
@@ -77,18 +110,20 @@ def _attention_on_ranks(variant, seq, heads, kv_heads, fault=None):
     q, k, v = (t[:, :, pos].requires_grad_() for t in (q, k, v))
     COUNTS.clear()
     blocks.WORK.clear()
+    meter = ActivationMeter(())  # what the forward keeps for backward, as the trainer measures it
     with inject(fault):
-        if variant == "ulysses":
-            out, lse = ulysses_attention(q, k, v, cpg), None
-        elif variant == "allgather":
-            out, lse = allgather_attention(q, k, v, cpg)
-        else:
-            out, lse = ring_attention(q, k, v, cpg, "zigzag" if variant == "zigzag" else "contiguous")
+        with meter.forward():
+            if variant == "ulysses":
+                out, lse = ulysses_attention(q, k, v, cpg), None
+            elif variant == "allgather":
+                out, lse = allgather_attention(q, k, v, cpg)
+            else:
+                out, lse = ring_attention(q, k, v, cpg, "zigzag" if variant == "zigzag" else "contiguous")
         forward = dict(COUNTS)
         COUNTS.clear()
         out.backward(dout[:, :, pos])
     return {"positions": pos, "out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "forward": forward, "backward": dict(COUNTS), "work": blocks.WORK["forward"]}
+            "forward": forward, "backward": dict(COUNTS), "work": blocks.WORK["forward"], "kept": meter.take_peak()}
 
 
 def _reference(seq, heads, kv_heads):
@@ -123,6 +158,7 @@ def assert_attention_matches(per_rank, ref):
 
 ATTENTION = [(w, v, 32 if w != 3 else 24, h, kv) for w, h, kv in ((2, 8, 4), (4, 8, 4), (3, 6, 3)) for v in VARIANTS]
 ATTENTION += [(2, "ring", 32, 4, 4), (4, "zigzag", 32, 8, 1), (2, "allgather", 32, 8, 2)]  # MHA, MQA, GQA 4
+ATTENTION += [(2, "zigzag", 1200, 2, 1)]  # chunks of 300 over 300 + 300 keys: across the CPU kernel's tiles
 
 
 @pytest.mark.equivalence
@@ -132,6 +168,12 @@ def test_attention_equals_full_causal_attention(world, variant, seq, heads, kv_h
     per_rank = run_distributed(world, _attention_on_ranks, variant, seq, heads, kv_heads)
     errors = assert_attention_matches(per_rank, _reference(seq, heads, kv_heads))
     assert set(errors) == ({"out", "dq", "dk", "dv"} | ({"lse"} if variant != "ulysses" else set()))
+    # Kept for backward (the trainer's meter): q, k, v, the output and its fp32 lse, no block's scores.
+    # All-gather keeps the whole sequence's K and V; Ulysses a head shard of the whole sequence, the same bytes.
+    b, n, d = 2, seq // world, 16
+    kv_len = seq if variant == "allgather" else n
+    assert [r["kept"] for r in per_rank] == [4 * (2 * b * heads * n * d + b * heads * n
+                                                  + 2 * b * kv_heads * kv_len * d)] * world
 
 
 FAULTS = [("ring", "cp-merge-by-average"), ("ring", "cp-no-causal-skip"), ("zigzag", "cp-no-causal-skip"),

@@ -114,12 +114,11 @@ def _block_attention(variant, cp, seq=64, heads=8, kv_heads=4, d=64, device="cud
         for src in range(cp):  # the key blocks, in the ring's order of arrival
             kc = _chunks(variant, (rank - src) % cp, cp)
             blocks.attend(rq, k[:, :, pos(kc)].to(device), v[:, :, pos(kc)].to(device), qc, kc, out, lse, scale)
-        delta = (rdo.float() * out).sum(-1)
         dq = torch.zeros_like(out)
         for src in range(cp):
             kc = _chunks(variant, (rank - src) % cp, cp)
             dk, dv = (torch.zeros(2, kv_heads, len(kc) * c, d, device=device) for _ in range(2))
-            blocks.attend_backward(rq, k[:, :, pos(kc)].to(device), v[:, :, pos(kc)].to(device), rdo, lse, delta, qc, kc,
+            blocks.attend_backward(rq, k[:, :, pos(kc)].to(device), v[:, :, pos(kc)].to(device), rdo, out, lse, qc, kc,
                                    dq, dk, dv, scale)
             got["dk"][:, :, pos(kc)] += dk.double().cpu()
             got["dv"][:, :, pos(kc)] += dv.double().cpu()

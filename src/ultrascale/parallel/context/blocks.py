@@ -22,15 +22,24 @@ exp(S - lse) with the *global* lse):
   D = rowsum(dO ∘ O);  P = exp(S - lse);  dV = P^T dO;  dP = dO V^T;
   dS = P ∘ (dP - D);   dQ = dS K / sqrt(d);  dK = dS^T Q / sqrt(d)
 
+So a fused attention kernel that returns lse in forward, and takes (O, lse) in
+backward, computes a block exactly: handed the final O and global lse instead of
+the block's own, its backward is the block's share of the whole row's gradient
+(what torch's own ring attention does with the CUDA kernels). On the CPU that
+kernel is `_scaled_dot_product_flash_attention_for_cpu` and its backward: tiled,
+so no m x n score matrix is ever built, and GQA read in place (no repeated K/V).
+On CUDA the forward takes the memory-efficient kernel (it returns lse) and the
+backward the math below; the math is also the fallback where no kernel runs,
+and the formulas above written out for a reader.
+
 The variants differ only in where the key blocks come from (a ring, an
 all-gather); they all call `attend` and `attend_backward` here. Under the causal
 mask the sequence is cut into equal chunks, and a (query chunk, key chunk) pair
 is computed fully (an earlier key chunk), under the diagonal mask (the same
-chunk), or skipped (a later one).
-
-On the CPU the block is plain torch math in fp32. On CUDA the forward takes a
-fused kernel that returns the log-sum-exp where one exists (memory-efficient
-attention), and falls back to the math; the backward is the math everywhere.
+chunk), or skipped (a later one). Neighbouring full pairs that lie next to each
+other in memory are joined into one kernel call (zig-zag's two query chunks on
+one earlier key chunk, or one query chunk on both chunks of an earlier block):
+fewer calls and fewer merges for the same work.
 """
 
 from __future__ import annotations
@@ -41,6 +50,9 @@ import torch
 
 # (query, key) score elements computed per rank, forward and backward: the attention work.
 WORK: collections.Counter = collections.Counter()
+
+_CPU_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def chunk_pairs(q_chunks, k_chunks):
@@ -53,6 +65,27 @@ def chunk_pairs(q_chunks, k_chunks):
             elif c == a:
                 yield i, j, True
             # c > a: keys after every query of the chunk, masked out entirely: skipped
+
+
+def joined_pairs(q_chunks, k_chunks):
+    """chunk_pairs as kernel calls: (query chunks i0..i1, key chunks j0..j1, causal), half-open,
+    where full pairs adjacent in storage are joined into one rectangle. Causal pairs stay alone."""
+    runs = []  # per query chunk, its full pairs as runs of consecutive key chunks
+    for i, j, causal in chunk_pairs(q_chunks, k_chunks):
+        if causal:
+            yield i, i + 1, j, j + 1, True
+        elif runs and runs[-1][0] == i and runs[-1][3] == j:
+            runs[-1][3] = j + 1
+        else:
+            runs.append([i, i + 1, j, j + 1])
+    joined = []
+    for i0, i1, j0, j1 in runs:  # the same key run for the next query chunk: one taller rectangle
+        if joined and joined[-1][1] == i0 and joined[-1][2:] == [j0, j1]:
+            joined[-1][1] = i1
+        else:
+            joined.append([i0, i1, j0, j1])
+    for i0, i1, j0, j1 in joined:
+        yield i0, i1, j0, j1, False
 
 
 def _grouped(x, kv_heads):
@@ -70,8 +103,6 @@ def _scores(q, k, causal: bool, scale: float):
 
 
 def _forward_math(q, k, v, causal, scale):
-    # In place where it can be: the m x n block is the only large tensor, and the passes over it
-    # (not the flops, with head dims this small) are what the block costs.
     p = _scores(q, k, causal, scale)
     row_max = p.amax(dim=-1, keepdim=True)
     p.sub_(row_max).exp_()
@@ -79,6 +110,18 @@ def _forward_math(q, k, v, causal, scale):
     out = (p @ v.float().unsqueeze(2)).div_(row_sum)
     lse = (row_max + row_sum.log()).squeeze(-1)
     return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _backward_math(q, k, v, dout, out, lse, causal, scale):
+    kv_heads = k.shape[1]
+    delta = (dout.float() * out.float()).sum(-1)
+    p = _scores(q, k, causal, scale).sub_(_grouped(lse, kv_heads).unsqueeze(-1)).exp_()  # P, in place of S
+    do = _grouped(dout.float(), kv_heads)
+    dv = (p.transpose(-1, -2) @ do).sum(2)
+    ds = (do @ v.float().unsqueeze(2).transpose(-1, -2)).sub_(_grouped(delta, kv_heads).unsqueeze(-1)).mul_(p)
+    dq = (ds @ k.float().unsqueeze(2)).flatten(1, 2).mul_(scale)
+    dk = (ds.transpose(-1, -2) @ _grouped(q.float(), kv_heads)).sum(2).mul_(scale)
+    return dq, dk, dv
 
 
 def _forward_cuda(q, k, v, causal, scale):
@@ -97,7 +140,10 @@ def _forward_cuda(q, k, v, causal, scale):
 
 
 def block_forward(q, k, v, causal: bool, scale: float):
-    """(O, lse) of queries q against one key block, fp32: [b, H, m, d] and [b, H, m]."""
+    """(O, lse) of queries q against one key block: O [b, H, m, d] (fp32, or q's dtype from the
+    CPU kernel: the merge accumulates in fp32 either way), lse [b, H, m] fp32."""
+    if q.device.type == "cpu" and _CPU_FORWARD is not None:
+        return _CPU_FORWARD(q, k, v, 0.0, causal, scale=scale)
     if q.is_cuda:
         result = _forward_cuda(q, k, v, causal, scale)
         if result is not None:
@@ -105,16 +151,12 @@ def block_forward(q, k, v, causal: bool, scale: float):
     return _forward_math(q, k, v, causal, scale)
 
 
-def block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
-    """(dQ, dK, dV) of one block, fp32, from the rows' global lse and D = rowsum(dO ∘ O)."""
-    kv_heads = k.shape[1]
-    p = _scores(q, k, causal, scale).sub_(_grouped(lse, kv_heads).unsqueeze(-1)).exp_()  # P, in place of S
-    do = _grouped(dout.float(), kv_heads)
-    dv = (p.transpose(-1, -2) @ do).sum(2)
-    ds = (do @ v.float().unsqueeze(2).transpose(-1, -2)).sub_(_grouped(delta, kv_heads).unsqueeze(-1)).mul_(p)
-    dq = (ds @ k.float().unsqueeze(2)).flatten(1, 2).mul_(scale)
-    dk = (ds.transpose(-1, -2) @ _grouped(q.float(), kv_heads)).sum(2).mul_(scale)
-    return dq, dk, dv
+def block_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
+    """(dQ, dK, dV) of one block from the rows' final O [b, H, m, d] and global lse [b, H, m]
+    (dQ for q's rows, dK and dV for this key block; q's dtype from the CPU kernel, else fp32)."""
+    if q.device.type == "cpu" and _CPU_BACKWARD is not None:
+        return _CPU_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return _backward_math(q, k, v, dout, out, lse, causal, scale)
 
 
 def merge(out, lse, block_out, block_lse) -> None:
@@ -126,8 +168,8 @@ def merge(out, lse, block_out, block_lse) -> None:
 
 def _slices(q, k, q_chunks, k_chunks):
     cq, ck = q.shape[2] // len(q_chunks), k.shape[2] // len(k_chunks)
-    for i, j, causal in chunk_pairs(q_chunks, k_chunks):
-        yield slice(i * cq, (i + 1) * cq), slice(j * ck, (j + 1) * ck), causal
+    for i0, i1, j0, j1, causal in joined_pairs(q_chunks, k_chunks):
+        yield slice(i0 * cq, i1 * cq), slice(j0 * ck, j1 * ck), causal
 
 
 def attend(q, k, v, q_chunks, k_chunks, out, lse, scale: float) -> None:
@@ -138,11 +180,12 @@ def attend(q, k, v, q_chunks, k_chunks, out, lse, scale: float) -> None:
         merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
 
 
-def attend_backward(q, k, v, dout, lse, delta, q_chunks, k_chunks, dq, dk, dv, scale: float) -> None:
-    """Add the gradients of the pairs `attend` computed into dq (for q) and dk, dv (for this key block)."""
+def attend_backward(q, k, v, dout, out, lse, q_chunks, k_chunks, dq, dk, dv, scale: float) -> None:
+    """Add the gradients of the pairs `attend` computed into dq (for q) and dk, dv (for this key
+    block), from q's rows' final O and global lse."""
     for qs, ks, causal in _slices(q, k, q_chunks, k_chunks):
-        bq, bk, bv = block_backward(q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs], lse[:, :, qs],
-                                    delta[:, :, qs], causal, scale)
+        bq, bk, bv = block_backward(q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs], out[:, :, qs],
+                                    lse[:, :, qs], causal, scale)
         WORK["backward"] += (qs.stop - qs.start) * (ks.stop - ks.start)
         dq[:, :, qs] += bq
         dk[:, :, ks] += bk

@@ -52,14 +52,13 @@ class RingAttention(torch.autograd.Function):
         cpg, layout, scale = ctx.cpg, ctx.layout, ctx.scale
         p, r = cpg.size, cpg.index
         mine = chunks_of(r, p, layout)
-        delta = (dout.float() * out.float()).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack((k, v))
         travelling = None  # the dK/dV sum of the block in hand, from the ranks it visited before
         for step in range(p):
             incoming = ring_exchange(kv, cpg, KV_TAG, "backward") if step + 1 < p else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            blocks.attend_backward(q, kv[0], kv[1], dout, lse, delta, mine, chunks_of((r - step) % p, p, layout),
+            blocks.attend_backward(q, kv[0], kv[1], dout, out, lse, mine, chunks_of((r - step) % p, p, layout),
                                    dq, dkv[0], dkv[1], scale)
             if travelling is not None:
                 dkv += travelling.wait()
