@@ -20,11 +20,11 @@ import subprocess
 import sys
 import time
 
-import psutil  # a dev dependency: the workers are found as the launcher's children
+import psutil  # a dev dependency: the workers are found as the launcher's children, named after their rank
 import pytest
 
 from ultrascale.cli import main
-from ultrascale.testing.cli import jsonl_losses, ultrascale
+from ultrascale.testing.cli import jsonl_losses, ranks as worker_ranks, ultrascale
 from ultrascale.testing.compare import FP32
 from ultrascale.train import integrity
 from ultrascale.train.checkpoint import FAULT_ENV, read_full_state
@@ -163,7 +163,7 @@ class PausedSave:
             if not line:
                 pytest.fail(f"the run ended before its save paused:\n{self.launcher.stderr.read().decode()}")
             paused += line.startswith(b"save paused at")
-        self.workers = {int(c.environ()["RANK"]): c for c in psutil.Process(self.launcher.pid).children()}
+        self.workers = worker_ranks(psutil.Process(self.launcher.pid).children())
 
     def kill(self, who):
         (self.launcher if who == "launcher" else self.workers[int(who[-1])]).send_signal(signal.SIGKILL)

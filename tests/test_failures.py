@@ -7,6 +7,7 @@ asserts what the user sees: how soon the launcher exits, its status, the line
 that names the cause, and that no process is left behind.
 """
 
+import glob
 import os
 import selectors
 import signal
@@ -14,8 +15,10 @@ import subprocess
 import sys
 import time
 
-import psutil  # a dev dependency: the workers are found as the launcher's children
+import psutil  # a dev dependency: the workers are found as the launcher's children, named after their rank
 import pytest
+
+from ultrascale.testing.cli import ranks
 
 # The launcher's supervision reads /proc and uses Linux's parent-death signal.
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and /proc: Linux")
@@ -40,7 +43,7 @@ class Run:
         self.launcher = subprocess.Popen(
             [sys.executable, "-m", "ultrascale", "train", *LONG_RUN, "--nproc", str(nproc), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        self.nproc, self.workers = nproc, {}
+        self.nproc, self.workers, self.tmp = nproc, {}, tmp
 
     def wait_until_training(self, limit=240):
         """Block until the logging rank printed step 1; then map rank -> worker process."""
@@ -55,19 +58,18 @@ class Run:
             if not line:
                 out, err = self.finish()
                 pytest.fail(f"the run ended before its first step:\n{err}")
-        for child in psutil.Process(self.launcher.pid).children():
-            self.workers[int(child.environ()["RANK"])] = child
+        self.workers = ranks(psutil.Process(self.launcher.pid).children())
         assert sorted(self.workers) == list(range(self.nproc))
 
     def wait_until_started(self, limit=120):
         """Block until every worker runs this package's code (its first heartbeat is written)."""
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
-            children = psutil.Process(self.launcher.pid).children()
-            if len(children) == self.nproc:
-                beats = [c.environ().get("ULTRASCALE_HEARTBEAT") for c in children]
-                if all(b and os.path.exists(b) and os.path.getsize(b) for b in beats):
-                    self.workers = {int(c.environ()["RANK"]): c for c in children}
+            workers = ranks(psutil.Process(self.launcher.pid).children())
+            if len(workers) == self.nproc:
+                beats = [glob.glob(f"{self.tmp}/ultrascale-run-*/rank{r}.heartbeat") for r in workers]
+                if all(b and os.path.getsize(b[0]) for b in beats):
+                    self.workers = workers
                     return
             time.sleep(0.05)
         pytest.fail(f"the workers did not start within {limit} s")

@@ -218,8 +218,15 @@ def cmd_train(args) -> int:
         _precheck(cfg)
         if cfg.train.nproc > 1:
             return launch_local(sys.argv[1:], cfg.train.nproc, timeout_s=cfg.train.timeout,
-                                on_failure=lambda: _clean_partial_save(cfg))
+                                on_failure=lambda: _clean_partial_save(cfg), worker_main=main,
+                                preload=_WORKER_IMPORTS)
     return _train_here(cfg)
+
+
+# What every rank imports: under --nproc the launcher imports it once and forks the ranks from itself.
+# (torch._dynamo: the optimizer's first add_param_group imports it, compiling or not.)
+_WORKER_IMPORTS = ("torch", "torch._dynamo", "torch.distributed", "ultrascale.distributed.context",
+                   "ultrascale.train.trainer")
 
 
 def _verify_once(path: str) -> None:

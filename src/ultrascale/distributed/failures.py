@@ -166,8 +166,23 @@ def die_with_parent() -> None:
         pass
 
 
+def name_process(name: str) -> None:
+    """Linux: the name `ps`, `top` and psutil show (15 characters at most), e.g. which rank a
+    process is, when every rank has the same command line."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        PR_SET_NAME = 15
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])
+    except (OSError, AttributeError):
+        pass
+
+
 def start_worker_supervision() -> None:
-    """In a worker of `launch_local`: die with the launcher, and beat."""
+    """In a worker of `launch_local`: named after its rank, die with the launcher, and beat."""
+    name_process(f"ultrascale-r{os.environ.get('RANK', '?')}")
     launcher = os.environ.get(ENV_LAUNCHER_PID)
     if launcher and sys.platform.startswith("linux"):
         die_with_parent()

@@ -21,11 +21,18 @@ each node):
   exits with 128 + the signal's number. Workers sit in their own sessions (a
   terminal's Ctrl-C reaches only the launcher, which decides) and die with the
   launcher if it is killed outright (Linux's parent-death signal).
+
+How the workers start: on Linux, when the caller names the modules every worker
+imports, the launcher imports them once and forks the workers from itself (torch
+and its compiler stack take seconds of CPU to import; N ranks on a laptop would
+pay it N times). Elsewhere, each worker is a fresh `python -m ultrascale`.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import importlib
 import os
 import queue
 import shutil
@@ -36,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from ultrascale.distributed import failures
@@ -72,10 +80,86 @@ def signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
+class _ForkedWorker:
+    """A worker forked from the launcher, with the part of `subprocess.Popen` the supervisor uses."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], worker_main, signals, others=()) -> None:
+        self.returncode: int | None = None
+        read, write = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            for fd in (read, *others):  # the other ranks' pipes are the launcher's to read
+                os.close(fd)
+            _run_forked(argv, env, worker_main, signals, write)  # never returns
+        os.close(write)
+        self.stderr = os.fdopen(read, "rb", buffering=0)
+
+    def _reap(self, flags: int) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)  # -N for signal N, as Popen
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._reap(os.WNOHANG)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+def _run_forked(argv, env, worker_main, signals, stderr_fd) -> None:
+    """In the forked child: become what `python -m ultrascale *argv` with `env` would be."""
+    code = 1
+    try:
+        os.setsid()  # its own session, as start_new_session=True gives a spawned worker
+        os.dup2(stderr_fd, 2)
+        os.close(stderr_fd)
+        for sig in signals:  # the launcher's handlers are not the worker's
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(env)
+        import torch  # already imported by the launcher: its thread count was read from another environment
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        sys.argv = [sys.argv[0], *argv]
+        code = worker_main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported like an uncaught exception in a fresh interpreter
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()  # what a normal interpreter exit runs (os._exit skips it)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+
+
+def _can_fork(preload) -> bool:
+    # Linux only: macOS' system libraries are not safe to use after fork().
+    return bool(preload) and sys.platform.startswith("linux") and hasattr(os, "fork")
+
+
 @dataclass
 class _Worker:
     rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | _ForkedWorker
     log: str
     heartbeat: str
     reader: threading.Thread | None = None
@@ -85,8 +169,9 @@ class _Worker:
 
 
 class _Supervisor:
-    def __init__(self, argv, nproc, threads_per_proc, timeout_s):
+    def __init__(self, argv, nproc, threads_per_proc, timeout_s, worker_main=None, preload=(), signals=()):
         self.argv, self.nproc, self.threads, self.timeout_s = argv, nproc, threads_per_proc, timeout_s
+        self.worker_main, self.preload, self.signals = worker_main, preload, signals
         self.workers: list[_Worker] = []
         self.chunks: queue.SimpleQueue = queue.SimpleQueue()
         self.signal: int | None = None
@@ -95,6 +180,11 @@ class _Supervisor:
 
     # -- starting -----------------------------------------------------------
     def start(self) -> None:
+        fork = _can_fork(self.preload) and self.worker_main is not None
+        if fork:
+            for name in self.preload:  # once here instead of once per rank
+                importlib.import_module(name)
+            self.started = time.time()  # a rank's heartbeat is awaited from its start
         port = free_port()
         tty = sys.stderr.isatty()
         for rank in range(self.nproc):
@@ -108,8 +198,12 @@ class _Supervisor:
                 env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
             # Own session: a signal for the launcher's terminal group reaches the launcher alone,
             # and killpg(pid) reaches the worker with anything it started.
-            proc = subprocess.Popen([sys.executable, "-m", "ultrascale", *self.argv], env=env,
-                                    stderr=subprocess.PIPE, start_new_session=True)
+            if fork:
+                others = [w.proc.stderr.fileno() for w in self.workers]
+                proc = _ForkedWorker(self.argv, env, self.worker_main, self.signals, others)
+            else:
+                proc = subprocess.Popen([sys.executable, "-m", "ultrascale", *self.argv], env=env,
+                                        stderr=subprocess.PIPE, start_new_session=True)
             self.workers.append(_Worker(rank, proc, log, hb))
         for w in self.workers:  # threads only once every fork is done
             w.reader = threading.Thread(target=self._read, args=(w,), daemon=True)
@@ -333,8 +427,12 @@ class _Supervisor:
 
 
 def launch_local(argv: list[str], nproc: int, threads_per_proc: int | None = None, *,
-                 timeout_s: float = 300.0, on_failure=None) -> int:
+                 timeout_s: float = 300.0, on_failure=None, worker_main=None, preload=()) -> int:
     """Run `python -m ultrascale *argv` in nproc processes and supervise them; the exit status.
+
+    With `worker_main` (what `python -m ultrascale` calls with argv) and `preload` (the modules
+    every worker imports), on Linux the workers are forked from this process once it imported
+    `preload`, and call worker_main(argv): one import for all ranks.
 
     0 when every process succeeded. Otherwise the run is ended as soon as one rank
     fails (or freezes), one line names the cause, and the status is the failed rank's
@@ -345,8 +443,8 @@ def launch_local(argv: list[str], nproc: int, threads_per_proc: int | None = Non
     if threads_per_proc is None:
         # Processes share the machine's cores: more threads than cores only thrash.
         threads_per_proc = max(1, (os.cpu_count() or 1) // nproc)
-    sup = _Supervisor(argv, nproc, threads_per_proc, timeout_s)
     handled = [getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    sup = _Supervisor(argv, nproc, threads_per_proc, timeout_s, worker_main, preload, handled)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         def on_signal(sig, frame):

@@ -19,3 +19,14 @@ def jsonl_losses(path) -> list[float]:
     """The per-step losses of a `--log-jsonl` file."""
     with open(path) as f:
         return [json.loads(line)["loss"] for line in f]
+
+
+def ranks(processes) -> dict:
+    """{rank: process} of a launcher's workers (psutil processes), from the names the workers give
+    themselves (`ultrascale-r<rank>`); one not named yet is left out."""
+    found = {}
+    for p in processes:
+        name = p.name()
+        if name.startswith("ultrascale-r") and name[len("ultrascale-r"):].isdigit():
+            found[int(name[len("ultrascale-r"):])] = p
+    return found
