@@ -20,7 +20,7 @@ PyTorch's own `context_parallel` is not a peer on this machine: it replaces
 only the CUDA SDPA kernels (flash, memory-efficient, cuDNN), and CPU attention
 runs `_scaled_dot_product_flash_attention_for_cpu`.
 
-    .venv/bin/python benchmarks/bench_context_parallel.py --cp 2 4 --seq-len 4096 --json /tmp/bench_cp.json
+    .venv/bin/python benchmarks/bench_context_parallel.py --cp 2 4 --seq-len 4096 --repeats 3 --json /tmp/bench_cp.json
 """
 
 from __future__ import annotations
@@ -139,24 +139,36 @@ def bench(cp: int, variant: str, spec: dict, timeout: float) -> dict:
     return row
 
 
+def merge_repeats(rows: list[dict]) -> dict:
+    """One row from the repeats of a configuration: the median over all their timed steps, and per
+    rank the median attention time."""
+    step = [t for r in rows for t in r["step_times_s"]]
+    att = [statistics.median(ts) for ts in zip(*(r["attention_s"] for r in rows))]
+    return {**rows[0], "step_s": statistics.median(step), "step_times_s": step, "attention_s": att,
+            "repeats": len(rows)}
+
+
 def markdown(rows, machine, spec, command) -> str:
     lines = [
         f"Command: `{command}`", "",
         common.machine_line(machine),
         f"Model: `{spec['model']}` {spec['overrides'] or ''} at {spec['seq_len']} tokens per sequence, micro-batch "
-        f"1, fp32, one process per cp rank; {spec['warmup']} warm-up step(s), then {spec['steps']} timed steps. "
-        f"Step time: the slowest rank's, median. Attention: this rank's forward + backward attention "
+        f"1, fp32, one process per cp rank; {spec['warmup']} warm-up step(s), then {spec['steps']} timed steps, "
+        f"the whole sweep {spec['repeats']} time(s) over. Step time: the slowest rank's, median over all timed "
+        f"steps; vs Ulysses: its ratio to Ulysses' at the same cp. Attention: this rank's forward + backward "
+        f"attention (median over the repeats) "
         f"computation per step (communication excluded). Work: score elements the block math computed "
         f"per step (forward + backward; SDPA's are not counted).", "",
-        "| cp | variant | step (s) | attention per rank (s) | slowest / fastest | work per rank (M) "
+        "| cp | variant | step (s) | vs Ulysses | attention per rank (s) | slowest / fastest | work per rank (M) "
         "| activations per rank (MiB) |",
-        "|---:|---|---:|---|---:|---|---|",
+        "|---:|---|---:|---:|---|---:|---|---|",
     ]
     for r in rows:
         att = r["attention_s"]
         work = " / ".join(f"{w / 1e6:.1f}" for w in r["work"]) if any(r["work"]) else "-"
         act = " / ".join(f"{a / 2**20:.1f}" for a in r["activations"])
-        lines.append(f"| {r['cp']} | {r['variant']} | {r['step_s']:.2f} | {' / '.join(f'{a:.2f}' for a in att)} | "
+        vs = f"{r['vs_ulysses']:.2f}x" if r["vs_ulysses"] else "-"
+        lines.append(f"| {r['cp']} | {r['variant']} | {r['step_s']:.2f} | {vs} | {' / '.join(f'{a:.2f}' for a in att)} | "
                      f"{max(att) / min(att):.2f}x | {work} | {act} |")
     return "\n".join(lines)
 
@@ -171,6 +183,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="run the whole sweep this many times (a shared machine)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
@@ -178,18 +191,22 @@ def main(argv=None) -> None:
     from ultrascale.testing.harness import shutdown_pools
 
     spec = {"model": args.model, "overrides": {"layers": args.layers} if args.layers else {},
-            **{k: getattr(args, k) for k in ("seq_len", "warmup", "steps", "seed")}}
+            **{k: getattr(args, k) for k in ("seq_len", "warmup", "steps", "seed", "repeats")}}
     machine = common.machine_info()
     command = common.command_line()
     print(f"{machine['cpu']} | {machine['cores']} cores | torch {machine['torch']}\n{command}", flush=True)
-    rows = []
+    configs = [(1, "ring")] + [(cp, v) for cp in args.cp for v in args.variants]
+    runs = {c: [] for c in configs}
     try:
-        rows.append(bench(1, "ring", spec, args.timeout))
-        for cp in args.cp:
-            for variant in args.variants:
-                rows.append(bench(cp, variant, spec, args.timeout))
+        for _ in range(args.repeats):  # the whole sweep again: load that comes and goes falls on every row
+            for cp, variant in configs:
+                runs[(cp, variant)].append(bench(cp, variant, spec, args.timeout))
     finally:
         shutdown_pools()
+    rows = [merge_repeats(r) for r in runs.values()]
+    for r in rows:  # the goal of the fused blocks: within 1.25x of Ulysses' step at the same cp
+        uly = next((u for u in rows if u["cp"] == r["cp"] and u["variant"] == "ulysses"), None)
+        r["vs_ulysses"] = r["step_s"] / uly["step_s"] if uly and r["cp"] > 1 else None
     machine["loadavg_end"] = os.getloadavg()
     first = rows[0]["losses"]
     for r in rows:  # every layout trains the same sequences from the same weights: the same losses

@@ -14,6 +14,16 @@ reduction is the same for both and not counted.
 Runners are interleaved (benchmarks/_common.py); a step's time is the slowest rank's.
 
     .venv/bin/python benchmarks/bench_expert_parallel.py --ep 2 4 --json /tmp/bench_ep.json
+
+--vs-dense: experts at the speed of their FLOPs. `tiny-moe` (8 experts of width 64,
+top-2) against `tiny`, the dense model with the same active FLOPs per token (its
+MLP of width 128 = 2 x 64; the MoE adds only the router's h x E), each with the
+trainer's defaults, in one process and at ep 2 (dp 2; the dense model dp 2); and
+the same MoE with its experts run one after the other (`Experts._one_by_one`, the
+loop the grouped matmul replaced), to measure that choice. Tokens per second
+relative to the dense model: the paired ratio of step times, same tokens per step.
+
+    .venv/bin/python benchmarks/bench_expert_parallel.py --vs-dense --json /tmp/bench_moe_dense.json
 """
 
 from __future__ import annotations
@@ -126,6 +136,91 @@ def bench(ep: int, spec: dict, timeout: float) -> list[dict]:
     return rows
 
 
+class DenseOrMoE:
+    """One runner of --vs-dense: `tiny` or `tiny-moe` (grouped, or its experts one by one)."""
+
+    def __init__(self, label: str, spec: dict, world: int):
+        from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, validate
+        from ultrascale.model import get_preset
+        from ultrascale.model.moe import Experts
+        from ultrascale.testing.harness import worker_context
+        from ultrascale.train.trainer import Trainer
+
+        self.label = label
+        t = TrainConfig(steps=10**6, seq_len=spec["seq_len"], micro_batch=spec["micro_batch"], seed=spec["seed"],
+                        progress=False)
+        moe = label != "dense"
+        layout = ParallelConfig(dp=world, ep=world if moe else 1)
+        cfg = validate(RunConfig(model=get_preset("tiny-moe" if moe else "tiny"), parallel=layout, train=t), world)
+        self.trainer = Trainer(cfg, worker_context(cfg.parallel))
+        if label == "moe, experts one by one":
+            for m in self.trainer.model.modules():
+                if isinstance(m, Experts):
+                    m.forward = lambda x, counts, m=m: m._one_by_one(x, counts.tolist())
+        self.losses = []
+
+    def step(self) -> float:
+        m = self.trainer.train_step()
+        self.losses.append(m["loss"])
+        return m["step_time_s"]
+
+
+DENSE_KEYS = ["dense", "moe", "moe, experts one by one"]
+
+
+def dense_worker(spec: dict) -> dict:
+    import torch.distributed as dist
+
+    runners = [DenseOrMoE(k, spec, dist.get_world_size()) for k in DENSE_KEYS]
+    times = common.interleave(runners, spec["warmup"], spec["repeats"], spec["steps"], dist.barrier)
+    out = {"times": times, "losses": {r.label: r.losses for r in runners}}
+    del runners
+    gc.collect()
+    return out
+
+
+def bench_vs_dense(world: int, spec: dict, timeout: float) -> list[dict]:
+    from ultrascale.testing.harness import run_distributed
+
+    start = time.perf_counter()
+    per_rank = run_distributed(world, dense_worker, spec, timeout=timeout)
+    print(f"world {world}: {time.perf_counter() - start:.0f}s", flush=True)
+    times, rounds = common.combine([r["times"] for r in per_rank], spec["steps"])
+    tokens = world * spec["micro_batch"] * spec["seq_len"]
+    return [{"world": world, "runner": k, **common.summary(times[k]), "step_times_s": times[k],
+             "tokens_per_s": tokens / common.summary(times[k])["median_s"],
+             "tokens_per_s_vs_dense": 1 / common.paired_ratio(rounds, k, "dense"),
+             "tokens_per_s_vs_grouped": 1 / common.paired_ratio(rounds, k, "moe")} for k in DENSE_KEYS]
+
+
+def main_vs_dense(args, machine, command) -> None:
+    from ultrascale.testing.harness import shutdown_pools
+
+    spec = {k: getattr(args, k) for k in ("seq_len", "micro_batch", "warmup", "repeats", "steps", "seed")}
+    rows = []
+    try:
+        for world in (1, 2):
+            rows += bench_vs_dense(world, spec, args.timeout)
+    finally:
+        shutdown_pools()
+    machine["loadavg_end"] = os.getloadavg()
+    lines = [f"Command: `{command}`", "", common.machine_line(machine),
+             f"`tiny-moe` (8 experts of width 64, top-2, aux loss 0.01) against `tiny` (MLP width 128: the same "
+             f"active FLOPs per token), the trainer's defaults (fp32, activation meter on); per rank "
+             f"{args.micro_batch} x {args.seq_len} tokens; 1 process, then ep 2 = dp 2 (the dense model dp 2). "
+             f"Median [quartiles] over {args.repeats} interleaved rounds of {args.steps} steps; ratios paired "
+             f"by round.", "",
+             "| processes | model | step time (s) | tokens/s | tokens/s vs dense | vs grouped experts |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['world']} | {r['runner']} | {common.fmt_time(r)} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tokens_per_s_vs_dense']:.2f}x | {r['tokens_per_s_vs_grouped']:.2f}x |")
+    print("\n" + "\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command, "machine": machine, "spec": spec, "rows": rows}, f, indent=1)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ep", type=int, nargs="+", default=[2, 4])
@@ -134,19 +229,29 @@ def main(argv=None) -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--moe-ffn-hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, help="default 128 (--vs-dense: the trainer's, 64)")
+    p.add_argument("--micro-batch", type=int, help="default 8 (--vs-dense: the trainer's, 8)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", metavar="OUT")
+    p.add_argument("--vs-dense", action="store_true", help="tiny-moe against the dense model of its active FLOPs "
+                   "(1 process and ep 2; --seq-len and --micro-batch default to the trainer's 64 and 8)")
     args = p.parse_args(argv)
+    if args.vs_dense:
+        from ultrascale.config import TrainConfig
+
+        args.seq_len, args.micro_batch = args.seq_len or TrainConfig.seq_len, args.micro_batch or TrainConfig.micro_batch
+        machine, command = common.machine_info(), common.command_line()
+        print(f"{machine['cpu']} | {machine['cores']} cores | torch {machine['torch']}\n{command}", flush=True)
+        return main_vs_dense(args, machine, command)
 
     from ultrascale.model.config import ModelConfig, count_params
     from ultrascale.testing.harness import shutdown_pools
 
+    args.seq_len, args.micro_batch = args.seq_len or 128, args.micro_batch or 8
     model = ModelConfig(name="bench-moe", hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4,
                         ffn_hidden=4 * args.hidden, experts=args.experts, top_k=args.top_k,
                         moe_ffn_hidden=args.moe_ffn_hidden, max_seq_len=max(256, args.seq_len))

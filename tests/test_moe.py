@@ -36,6 +36,45 @@ def test_all_experts_with_renorm_is_the_dense_mixture():
     torch.testing.assert_close(m(x), want.view(3, 5, 64), rtol=1e-5, atol=1e-6)
 
 
+def _experts_against_each_by_hand(experts):
+    """Rows sorted by expert (expert 1 gets none) through the grouped experts, against each expert's
+    SwiGLU written out on its own rows: outputs and every gradient, relative max error."""
+    from ultrascale.model.moe import Experts
+
+    torch.manual_seed(4)
+    e = Experts(4, 16, 8)
+    for p in e.parameters():
+        torch.nn.init.normal_(p, 0, 0.5)
+    counts = [5, 0, 9, 3]
+    x = torch.randn(sum(counts), 16, requires_grad=True)
+    g = torch.randn(sum(counts), 16)
+    y = experts(e, x, torch.tensor(counts))
+    y.backward(g)
+    got = [y.detach(), x.grad, e.gate.grad, e.up.grad, e.down.grad]
+    hand = [t.detach().clone().requires_grad_() for t in (x, e.gate, e.up, e.down)]
+    hx, hg, hu, hd = hand
+    rows = hx.split(counts)
+    want_y = torch.cat([swiglu(rows[i], hg[i], hu[i], hd[i]) for i in range(4)])
+    want_y.backward(g)
+    want = [want_y.detach()] + [t.grad for t in hand]
+    empty = [float(p.grad[1].abs().sum()) for p in (e.gate, e.up, e.down)]  # expert 1: no rows
+    return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)), empty
+
+
+def test_grouped_experts_equal_each_expert_on_its_rows(monkeypatch):
+    from ultrascale.model import moe
+
+    for run in (lambda e, x, counts: e(x, counts), lambda e, x, counts: e._one_by_one(x, counts.tolist())):
+        error, empty = _experts_against_each_by_hand(run)
+        assert error <= 1e-6 and empty == [0.0, 0.0, 0.0]  # an expert without rows: a zero gradient, not None
+    if moe._grouped_mm is None:  # this torch has no grouped matmul: the experts run one by one, checked above
+        return
+    # A wrong grouping fails: each expert's rows taken to start where they should end.
+    grouped = moe._grouped_mm
+    monkeypatch.setattr(moe, "_grouped_mm", lambda x, w, offs: grouped(x, w, offs=torch.cat([offs[:1] * 0, offs[:-1]])))
+    assert _experts_against_each_by_hand(lambda e, x, counts: e(x, counts))[0] > 1e-2
+
+
 def test_top1_without_renorm_weights_by_the_score():
     m = moe_layer(experts=4, top_k=1, router_renorm=False, aux_loss_coef=0.0)
     t = torch.randn(7, 64)

@@ -31,8 +31,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
+_grouped_mm = getattr(torch, "_grouped_mm", None)
+
+
 class Experts(nn.Module):
-    """n SwiGLU MLPs with stacked weights: gate and up [n, f, h], down [n, h, f]."""
+    """n SwiGLU MLPs with stacked weights: gate and up [n, f, h], down [n, h, f].
+
+    All n at once: the rows arrive sorted by expert, and one grouped matmul per
+    projection multiplies each expert's rows by that expert's weights (torch's
+    `_grouped_mm`, given where each expert's rows end). One call for the n
+    experts instead of n small ones: at the sizes a CPU trains, the per-call cost
+    of n matmuls, not their FLOPs, is what a loop over experts pays. Where this
+    torch has no grouped matmul for the device (before 2.9; on CUDA it needs bf16
+    on recent GPUs), the experts run one after the other.
+    """
 
     def __init__(self, n: int, h: int, f: int):
         super().__init__()
@@ -40,8 +52,21 @@ class Experts(nn.Module):
         self.up = nn.Parameter(torch.empty(n, f, h))
         self.down = nn.Parameter(torch.empty(n, h, f))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [sum(counts), h] in expert-major order: the first counts[0] rows go to expert 0, ..."""
+    def forward(self, x: torch.Tensor, counts) -> torch.Tensor:
+        """x [sum(counts), h] in expert-major order: the first counts[0] rows go to expert 0, ...
+        counts: rows per expert, a list or an integer tensor."""
+        if _grouped_mm is not None and x.device.type == "cpu":
+            return self._grouped(x, torch.as_tensor(counts, device=x.device))
+        return self._one_by_one(x, counts.tolist() if torch.is_tensor(counts) else counts)
+
+    def _grouped(self, x, counts):
+        # An expert with no rows is an empty group: its gradient is a zero, not None.
+        ends = counts.cumsum(0).to(torch.int32)
+        gate = _grouped_mm(x, self.gate.transpose(1, 2), offs=ends)
+        up = _grouped_mm(x, self.up.transpose(1, 2), offs=ends)
+        return _grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)
+
+    def _one_by_one(self, x, counts: list[int]):
         outs = []
         for e, xe in enumerate(x.split(counts)):
             # An expert with no rows still takes part (an empty matmul): its gradient is a zero, not None.
@@ -73,7 +98,7 @@ def local_dispatch(tokens, token_of, expert_idx, weights, experts: Experts) -> t
     assignments (token, expert, weight). Permute them to expert-major order, run each expert
     on its rows, weight the outputs by the scores and add them back at their tokens."""
     order, counts = sort_by_expert(expert_idx, experts.gate.shape[0])
-    y = experts(tokens[token_of[order]], counts.tolist())
+    y = experts(tokens[token_of[order]], counts)
     out = torch.zeros_like(tokens)
     return out.index_add(0, token_of[order], y * weights[order, None].to(y.dtype))
 
@@ -150,7 +175,10 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         idx, weights, keep, scores, logits = self.route(tokens)
         token_of = torch.arange(tokens.shape[0], device=x.device)[:, None].expand_as(idx)
-        out = self.dispatch(tokens, token_of[keep], idx[keep], weights[keep], self.experts)
+        if self.cfg.capacity_factor:  # only the kept assignments travel
+            out = self.dispatch(tokens, token_of[keep], idx[keep], weights[keep], self.experts)
+        else:  # dropless: all of them, in the same (row-major) order, without a mask to apply
+            out = self.dispatch(tokens, token_of.flatten(), idx.flatten(), weights.flatten(), self.experts)
         if self.shared is not None:
             out = out + self.shared(tokens)
         trained = bool(self.cfg.aux_loss_coef or self.cfg.z_loss_coef)

@@ -109,7 +109,7 @@ class AllToAllDispatch:
         expert_of_row = torch.repeat_interleave(torch.arange(self.local, device=x.device).repeat(self.world),
                                                 got.flatten())
         perm = torch.argsort(expert_of_row, stable=True)
-        y = experts(x[perm], got.sum(0).tolist())
+        y = experts(x[perm], got.sum(0))
         y = y[torch.argsort(perm)]
         # 4. The outputs travel back, in the order they left; weight them and add them at their tokens.
         y = _AllToAll.apply(y, recv, send, self.group)
@@ -138,7 +138,7 @@ class AllGatherDispatch:
         mine = slice(self.first, self.first + self.local)
         # Expert-major: nonzero of the transposed table lists expert 0's tokens first.
         e, tok = all_taken[:, mine].T.nonzero(as_tuple=True)
-        y = experts(all_tokens[tok], torch.bincount(e, minlength=self.local).tolist())
+        y = experts(all_tokens[tok], torch.bincount(e, minlength=self.local))
         w = all_weights[:, mine].T[e, tok]
         partial = torch.zeros_like(all_tokens).index_add(0, tok, y * w[:, None].to(y.dtype))
         return _ReduceScatter.apply(partial, self.group, self.world)
