@@ -22,19 +22,20 @@ _REPORT: list[str] = []  # the equivalence lines of every test, gathered where t
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    # The lines a test added to compare.REPORT travel on its report, so that they reach the
-    # summary from a pytest-xdist worker process too.
-    outcome = yield
+    # The lines a test added to compare.REPORT become the test's properties, one per line. Each
+    # report copies the properties it is built from; the teardown report has them all: there they
+    # reach the summary (from a pytest-xdist worker process too) and --junitxml's file (which
+    # make gpu-check's report reads).
     compare = sys.modules.get("ultrascale.testing.compare")
     if compare is not None and compare.REPORT:
-        outcome.get_result().user_properties.append(("equivalence", list(compare.REPORT)))
+        item.user_properties.extend(("equivalence", line) for line in compare.REPORT)
         compare.REPORT.clear()
+    yield
 
 
 def pytest_runtest_logreport(report):
-    for key, lines in report.user_properties:
-        if key == "equivalence":
-            _REPORT.extend(lines)
+    if report.when == "teardown":
+        _REPORT.extend(line for key, line in report.user_properties if key == "equivalence")
 
 
 def pytest_terminal_summary(terminalreporter):

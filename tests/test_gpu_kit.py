@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -132,6 +133,27 @@ def test_the_report_gathers_every_part_whatever_happened(tmp_path):
     assert "| bench-hf | timeout | 12 | 90 | `run bench-hf` |" in md and "- mfu: 0.4213" in md
     assert "- dp 2, 2 ranks on one GPU (gloo): 3 steps, loss rel 1.0e-07" in md
     assert "log of bench-hf" in md and "log of bench-gpu" not in md  # logs of what did not pass only
+
+
+def test_the_equivalence_lines_reach_the_junit_file_pytest_writes(tmp_path):
+    # The report's "Tolerance reached" lines come from the file pytest itself writes, with this
+    # suite's conftest.py: one property per line a test added to compare.REPORT.
+    (tmp_path / "conftest.py").write_text((Path(ROOT) / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_lines.py").write_text(
+        "from ultrascale.testing import compare\n"
+        "def test_a():\n    compare.REPORT += ['dp 2: loss rel 1.0e-07', 'tp 2: loss rel 2.0e-07']\n"
+        "def test_b():\n    compare.REPORT.append('pp 2: loss rel 3.0e-07')\n    assert False\n")
+    xml = tmp_path / "tests.xml"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                        "--junitxml", str(xml), "test_lines.py"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    assert p.returncode == 1, p.stdout[-2000:]  # test_b fails, and its line is kept all the same
+    cases = gpu_kit.read_junit(str(xml))
+    assert [(c["name"], c["outcome"], c["equivalence"]) for c in cases] == [
+        ("test_a", "passed", ["dp 2: loss rel 1.0e-07", "tp 2: loss rel 2.0e-07"]),
+        ("test_b", "failed", ["pp 2: loss rel 3.0e-07"])]
+    assert "dp 2: loss rel 1.0e-07\ntp 2: loss rel 2.0e-07\npp 2: loss rel 3.0e-07" in p.stdout  # the summary
 
 
 # -- gloo carrying device tensors through host copies (here: CPU tensors, staged all the same) ----
