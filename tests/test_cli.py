@@ -152,3 +152,14 @@ def test_context_parallel_from_the_command_line_matches_one_process(tmp_path, mo
     argv = ["train", *common, "--nproc", "2", "--cp", "2", "--cp-attention", "zigzag", "--log-jsonl", str(two)]
     assert launch_local(argv, 2) == 0
     assert max(abs(a - b) / b for a, b in zip(losses(two), losses(one))) < 1e-5
+
+
+def test_ranks_are_forked_only_for_runs_that_cannot_touch_cuda():
+    # A rank forked from a launcher that queried CUDA cannot use CUDA: runs that may use it start their
+    # ranks as fresh interpreters.
+    import torch
+
+    from ultrascale.cli import _cpu_only
+
+    assert _cpu_only("cpu") and not _cpu_only("cuda")
+    assert _cpu_only("auto") == (torch.version.cuda is None and getattr(torch.version, "hip", None) is None)

@@ -219,7 +219,7 @@ def cmd_train(args) -> int:
         if cfg.train.nproc > 1:
             return launch_local(sys.argv[1:], cfg.train.nproc, timeout_s=cfg.train.timeout,
                                 on_failure=lambda: _clean_partial_save(cfg), worker_main=main,
-                                preload=_WORKER_IMPORTS)
+                                preload=_WORKER_IMPORTS if _cpu_only(cfg.train.device) else ())
     return _train_here(cfg)
 
 
@@ -227,6 +227,16 @@ def cmd_train(args) -> int:
 # (torch._dynamo: the optimizer's first add_param_group imports it, compiling or not.)
 _WORKER_IMPORTS = ("torch", "torch._dynamo", "torch.distributed", "ultrascale.distributed.context",
                    "ultrascale.train.trainer")
+
+
+def _cpu_only(device: str) -> bool:
+    """The run cannot touch CUDA, so its ranks may be forked: a child forked after its parent queried
+    CUDA (even `torch.cuda.is_available()`) cannot use CUDA itself."""
+    if device == "cpu":
+        return True
+    import torch
+
+    return device == "auto" and torch.version.cuda is None and getattr(torch.version, "hip", None) is None
 
 
 def _verify_once(path: str) -> None:

@@ -151,6 +151,11 @@ def _run_forked(argv, env, worker_main, signals, stderr_fd) -> None:
             os._exit(code if isinstance(code, int) else 1)
 
 
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
 def _can_fork(preload) -> bool:
     # Linux only: macOS' system libraries are not safe to use after fork().
     return bool(preload) and sys.platform.startswith("linux") and hasattr(os, "fork")
@@ -185,6 +190,9 @@ class _Supervisor:
             for name in self.preload:  # once here instead of once per rank
                 importlib.import_module(name)
             self.started = time.time()  # a rank's heartbeat is awaited from its start
+            # CUDA cannot be used again in a child forked after the parent used it (the launcher's
+            # checks may have: a bf16 or device query): then the ranks start fresh.
+            fork = not _cuda_initialized()
         port = free_port()
         tty = sys.stderr.isatty()
         for rank in range(self.nproc):
