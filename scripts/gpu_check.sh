@@ -3,8 +3,8 @@
 #
 # Runs with the machine's own Python and torch (GPU_PYTHON, default python3): nothing replaces its
 # torch. What the check lacks is installed from the wheels in GPU_WHEELS (default .whl/, filled by
-# `make gpu-wheels` on a machine with network), without dependencies and without an index; the
-# package runs from src/. Each part has its own time limit, all of them together GPU_BUDGET seconds
+# `make gpu-wheels` on a machine with network), without dependencies and without an index, into
+# .gpu-site/; the package runs from src/. Each part has its own time limit, all of them together GPU_BUDGET seconds
 # (default 540: the check fits in 9 minutes); a part that fails or runs out of time does not stop the
 # others, and the report (DIR/gpu-report.md and .json) is written whatever happened.
 set -u
@@ -29,9 +29,11 @@ if ! command -v "$PY" > /dev/null; then
     echo "gpu-check: no $PY here: set GPU_PYTHON to the Python that has the CUDA build of torch" >&2
     exit 2
 fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+# What is installed goes to .gpu-site/ (on PYTHONPATH), not into the machine's own site-packages.
+SITE=$PWD/.gpu-site
+export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -m ultrascale.testing.gpu_kit cuda || exit 2
-"$PY" -m ultrascale.testing.gpu_kit install "$WHEELS" || exit 2
+"$PY" -m ultrascale.testing.gpu_kit install "$WHEELS" "$SITE" || exit 2
 
 mkdir -p "$OUT/parts"
 "$PY" -m ultrascale.testing.gpu_kit environment "$OUT"

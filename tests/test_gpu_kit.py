@@ -82,11 +82,17 @@ def test_the_installer_adds_only_what_is_missing_without_network(tmp_path, monke
     assert plan.stdout.strip() == str((["torchao-0.0.1-py3-none-any.whl"], [m for m in missing if m != "torchao"]))
     if missing and missing != ["torchao"]:
         pytest.skip(f"this machine lacks {missing}: the install step below would refuse")
-    # The real install into the venv: pip with no index, no dependencies, from the folder only.
+    # The real install: pip with no index, no dependencies, from the folder only, into a directory of its
+    # own that goes on PYTHONPATH; the venv's site-packages stay as they were.
+    target = tmp_path / "site"
+    before = sorted(p.name for p in site.iterdir())
     run = ("import sys; from ultrascale.testing import gpu_kit as k; real = k.installed; "
-           "k.installed = lambda n: None if n == 'torchao' else real(n); sys.exit(k.install(sys.argv[1]))")
-    p = subprocess.run([py, "-c", run, str(wheels)], capture_output=True, text=True, env=env, timeout=120)
+           "k.installed = lambda n: None if n == 'torchao' else real(n); sys.exit(k.install(*sys.argv[1:]))")
+    p = subprocess.run([py, "-c", run, str(wheels), str(target)], capture_output=True, text=True, env=env,
+                       timeout=120)
     assert p.returncode == 0, p.stderr
+    assert sorted(p.name for p in site.iterdir()) == before
+    env["PYTHONPATH"] += os.pathsep + str(target)
     got = subprocess.run([py, "-c", "import kit_torchao_stand_in as m, pytest; print(m.WHO, pytest.__version__)"],
                          capture_output=True, text=True, env=env, check=True).stdout.split()
     assert got[:3] == ["from", "the", "wheel"] and got[3] == have["pytest"]  # the machine's pytest kept

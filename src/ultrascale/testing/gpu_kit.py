@@ -70,7 +70,9 @@ def plan_install(folder: str, have=None, version=sys.version_info) -> tuple[list
     return todo, missing
 
 
-def install(folder: str) -> int:
+def install(folder: str, target: str) -> int:
+    """Install what the check lacks from `folder` into `target`, a directory on PYTHONPATH: the machine's
+    own site-packages stay as they are (and a system Python that refuses pip installs, PEP 668, works)."""
     todo, missing = plan_install(folder)
     if missing:
         print(f"gpu-check: {', '.join(missing)} missing here and not in {folder}/: run `make gpu-wheels` on a "
@@ -81,7 +83,7 @@ def install(folder: str) -> int:
         return 0
     print("gpu-check: installing " + ", ".join(w.name for w in todo))
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links", folder,
-           *map(str, todo)]
+           "--target", target, *map(str, todo)]
     return subprocess.call(cmd)
 
 
@@ -191,10 +193,10 @@ def write_report(out: str) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 1 or argv[0] not in ("cuda", "install", "environment", "report") or \
-            (argv[0] != "cuda" and len(argv) != 2):
-        print("usage: python -m ultrascale.testing.gpu_kit cuda | install WHEELS | environment OUT | report OUT",
-              file=sys.stderr)
+    arity = {"cuda": 1, "install": 3, "environment": 2, "report": 2}
+    if len(argv) < 1 or arity.get(argv[0]) != len(argv):
+        print("usage: python -m ultrascale.testing.gpu_kit cuda | install WHEELS TARGET | environment OUT | "
+              "report OUT", file=sys.stderr)
         return 2
     if argv[0] == "cuda":
         line = cuda_line()
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
             return 2
         return 0
     if argv[0] == "install":
-        return install(argv[1])
+        return install(argv[1], argv[2])
     if argv[0] == "environment":
         Path(argv[1], "environment.json").write_text(json.dumps(environment(), indent=1) + "\n")
         return 0
