@@ -67,7 +67,7 @@ PYEOF
 }
 
 P=$OUT/parts
-run_part tests 250 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rA --strict-markers -m gpu \
+run_part tests 250 "$PY" -m pytest -v -p no:cacheprovider -o addopts="" -rA --strict-markers -m gpu \
     --timeout 200 --junitxml "$P/tests.xml" tests/test_gpu.py
 run_part bench-gpu 180 "$PY" benchmarks/bench_gpu.py --json "$P/bench-gpu.json"
 run_part bench-hf 90 "$PY" benchmarks/bench_single_vs_hf.py --device cuda --dtype bf16 --model 1b \

@@ -209,3 +209,21 @@ def test_staged_collectives_deliver_what_gloo_would():
     assert r0[3] == [0.0, 10.0] and r1[3] == [1.0, 11.0]
     # Through host copies: the ring's pair, the isend / irecv pair, the gathers (none waited on: no request).
     assert r0[4] == ["send", "recv", "send"] and r1[4] == ["send", "recv", "recv"]
+
+
+def test_a_test_run_stopped_at_its_limit_still_reports_what_ended(tmp_path):
+    # Killed by `timeout`, pytest writes no junit file: the outcomes -v printed as each test ended remain.
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    part = {"name": "tests", "status": "timeout", "rc": 124, "seconds": 250.0, "timeout_s": 250,
+            "command": "pytest", "junit": "parts/tests.xml"}
+    (parts / "tests.status.json").write_text(json.dumps(part))
+    (parts / "tests.log").write_text(
+        "tests/test_gpu.py::test_one_process_on_cuda_equals_cpu PASSED [ 10%]\n"
+        "tests/test_gpu.py::test_layouts[dp2] FAILED [ 20%]\n"
+        "tests/test_gpu.py::test_fp8 SKIPPED (no torchao) [ 30%]\n"
+        "tests/test_gpu.py::test_compile \n")
+    assert gpu_kit.main(["report", str(tmp_path)]) == 1
+    tests = json.loads((tmp_path / "gpu-report.json").read_text())["parts"][0]["tests"]
+    assert [(t["name"], t["outcome"]) for t in tests] == [
+        ("test_one_process_on_cuda_equals_cpu", "passed"), ("test_layouts[dp2]", "failed"), ("test_fp8", "skipped")]

@@ -134,6 +134,25 @@ def read_junit(path: str) -> list[dict]:
     return cases
 
 
+_VERBOSE = re.compile(r"^\S+::(\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+
+
+def read_verbose_log(path: Path) -> list[dict]:
+    """The outcomes pytest -v printed as each test ended: what is left of a run killed at its time
+    limit, which never wrote its junit file."""
+    if not path.exists():
+        return []
+    cases = []
+    for line in path.read_text(errors="replace").splitlines():
+        m = _VERBOSE.match(line)
+        if m:
+            outcome = {"PASSED": "passed", "SKIPPED": "skipped", "XFAIL": "skipped"}.get(m.group(2), "failed")
+            cases.append({"name": m.group(1), "outcome": outcome, "seconds": 0.0,
+                          "message": "(from the log: the run was stopped before its junit file)",
+                          "equivalence": []})
+    return cases
+
+
 def gather(out: str) -> dict:
     """The parts' status files (OUT/parts/NAME.json) with their figures, and the environment."""
     parts = []
@@ -142,7 +161,8 @@ def gather(out: str) -> dict:
         figures = Path(out, "parts", part["name"] + ".json")
         part["figures"] = json.loads(figures.read_text()) if figures.exists() else None
         if part.get("junit"):
-            part["tests"] = read_junit(os.path.join(out, part["junit"]))
+            part["tests"] = read_junit(os.path.join(out, part["junit"])) or \
+                read_verbose_log(Path(out, "parts", part["name"] + ".log"))
         parts.append(part)
     env_file = Path(out, "environment.json")
     env = json.loads(env_file.read_text()) if env_file.exists() else {}
