@@ -129,7 +129,8 @@ def test_offload_moves_the_optimizer_shard_off_the_device(zero, dtype, offload, 
     for got in train_parallel(cfg, world):
         m = got.memory[0]
         assert (m["params"], m["grads"], m["optim"]) == (0 if zero == 3 else params, grads, 0), m
-        assert m["offloaded"] == {"to": offload, "optim": 12 * psi // world, "params": params if zero == 3 else 0}
+        assert m["offloaded"] == {"to": offload, "optim": 12 * psi // world, "params": params if zero == 3 else 0,
+                                  "params_to": "cpu" if zero == 3 else None}  # parameters never go to disk
 
 
 def test_zero1_optimizer_state_is_a_quarter_on_four_ranks():

@@ -226,10 +226,11 @@ class Trainer:
             "peak_rss": peak_resident_bytes(),
         }
         if hasattr(self.main, "offloaded_bytes"):
-            # Off the device: the optimizer's shard (and ZeRO-3's parameter shard), in host memory or files.
-            where = self.main.where
-            mem["offloaded"] = {"to": where, "optim": self.main.offloaded_bytes(),
-                                "params": mem["params"] if self.cfg.parallel.zero == 3 else 0}
+            # Off the device: the optimizer's shard, in host memory or files ("to"), and ZeRO-3's parameter
+            # shard, in host memory whatever the optimizer's tier ("params_to").
+            zero3 = self.cfg.parallel.zero == 3
+            mem["offloaded"] = {"to": self.main.where, "optim": self.main.offloaded_bytes(),
+                                "params": mem["params"] if zero3 else 0, "params_to": "cpu" if zero3 else None}
             mem["optim"] = 0
             mem["params"] -= mem["offloaded"]["params"]
         if self.ctx.device.type == "cuda":
