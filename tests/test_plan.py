@@ -257,6 +257,8 @@ def test_winner_is_explained_in_three_steps(capsys):
     (["plan", "memory", "--model", "llama3-8b", "--tp", "2", "--ffn-hidden", "14337"], "must divide --ffn-hidden 14337"),
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--recompute", "some"], "--recompute must be one of none"),
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--schedule", "gpipe"], "--schedule must be one of afab"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--offload", "ssd"], "must be none, cpu or disk"),
+    (["plan", "memory", "--model", "llama3-8b", "--dp", "8", "--offload", "cpu"], "it needs --zero 1, 2 or 3"),
     (["plan", "memory", "--model", "tiny-moe", "--framework", "ultrascale", "--dp", "2", "--ep", "2", "--zero", "3"],
      "does not gather expert weights"),
     (["plan", "--model", "tiny-moe", "--framework", "ultrascale", "--gpus", "4", "--seq-len", "64",
@@ -663,3 +665,27 @@ def test_plan_proposes_offload_only_where_nothing_else_fits():
     assert best and all(c.layout.offload == "cpu" for c in best)  # cpu first: disk only if cpu cannot fit
     fits = search(get_shape("llama3-8b"), 8, gpu, fw, 4096, 4096 * 16, "bf16", pins).ranked
     assert fits and all(c.layout.offload == "none" for c in fits)
+
+
+def test_offload_from_the_command_line(capsys):
+    # plan memory --offload: the optimizer shard leaves the GPU; plan --offload cpu: only such layouts.
+    args = ["plan", "memory", "--model", "llama3-8b", "--dp", "8", "--zero", "1", "--json"]
+    code, out, err = cli(capsys, *args)
+    plain = json.loads(out)["memory"]
+    code, out, err = cli(capsys, *args, "--offload", "cpu")
+    assert code == 0, err
+    off = json.loads(out)["memory"]
+    assert plain["optim"] > 0 and off["optim"] == 0 and off["offloaded"] >= plain["optim"]
+    code, out, err = cli(capsys, "plan", "--model", "llama3-8b", "--gpus", "8", "--offload", "cpu", "--json",
+                         "--top", "5")
+    assert code == 0, err
+    assert {c["layout"]["offload"] for c in json.loads(out)["candidates"]} == {"cpu"}
+
+
+def test_dualpipe_implies_its_two_chunks_as_the_engine_does(capsys):
+    args = ["plan", "memory", "--model", "llama3-8b", "--pp", "4", "--grad-accum", "8", "--json"]
+    code, out, err = cli(capsys, *args, "--schedule", "dualpipe")
+    assert code == 0, err
+    assert json.loads(out)["layout"]["chunks"] == 2
+    code, out, err = cli(capsys, *args, "--schedule", "dualpipe", "--chunks", "3")
+    assert code == 2 and "exactly 2 chunks" in err

@@ -33,6 +33,13 @@ def schedule_name(name: str) -> str:
     return PP_SCHEDULE_ALIASES.get(name, name)
 
 
+def offload_tier(name: str) -> str:
+    """--offload, refused at parsing when it names no tier (the search would find nothing to fit)."""
+    if name not in ("none", "cpu", "disk"):
+        raise argparse.ArgumentTypeError(f"must be none, cpu or disk, got {name!r}")
+    return name
+
+
 LAYOUT_FLAGS = [  # (flag, Layout field, type, help); None default: searched (plan) or the Layout default (memory)
     ("--dp", "dp", int, "data-parallel size"),
     ("--tp", "tp", int, "tensor-parallel size"),
@@ -49,6 +56,8 @@ LAYOUT_FLAGS = [  # (flag, Layout field, type, help); None default: searched (pl
     ("--chunks", "chunks", int, "model chunks per pipeline rank (interleaved)"),
     ("--pp-first-stage-layers", "first_stage_layers", int, "blocks of the first pipeline stage (0: the even split)"),
     ("--pp-last-stage-layers", "last_stage_layers", int, "blocks of the last pipeline stage (0: the even split)"),
+    ("--offload", "offload", offload_tier, "ZeRO-Offload: none, cpu or disk (the optimizer shard, and ZeRO-3's parameter "
+                                  "shard, off the GPU)"),
 ]
 
 
@@ -256,6 +265,8 @@ def _layout(args, shape):
     from ultrascale.plan.layout import Layout, check_layout
 
     given = {dest: getattr(args, dest) for _, dest, _, _ in LAYOUT_FLAGS if getattr(args, dest) is not None}
+    if given.get("schedule") == "dualpipev":
+        given.setdefault("chunks", 2)  # its V: two chunks a rank, implied as the engine implies them
     lay = Layout(**given, seq_len=args.seq_len, grad_accum=args.grad_accum, precision=args.precision, sp=args.sp,
                  bucket_mb=args.bucket_mb)
     check_layout(lay, shape)
