@@ -155,7 +155,7 @@ def markdown(rows, machine, spec, command) -> str:
         f"Model: `{spec['model']}` {spec['overrides'] or ''} at {spec['seq_len']} tokens per sequence, micro-batch "
         f"1, fp32, one process per cp rank; {spec['warmup']} warm-up step(s), then {spec['steps']} timed steps, "
         f"the whole sweep {spec['repeats']} time(s) over. Step time: the slowest rank's, median over all timed "
-        f"steps; vs Ulysses: its ratio to Ulysses' at the same cp. Attention: this rank's forward + backward "
+        f"steps; vs Ulysses: its ratio to Ulysses' step at the same cp in the same sweep, median over the sweeps. Attention: this rank's forward + backward "
         f"attention (median over the repeats) "
         f"computation per step (communication excluded). Work: score elements the block math computed "
         f"per step (forward + backward; SDPA's are not counted).", "",
@@ -204,9 +204,10 @@ def main(argv=None) -> None:
     finally:
         shutdown_pools()
     rows = [merge_repeats(r) for r in runs.values()]
-    for r in rows:  # the goal of the fused blocks: within 1.25x of Ulysses' step at the same cp
-        uly = next((u for u in rows if u["cp"] == r["cp"] and u["variant"] == "ulysses"), None)
-        r["vs_ulysses"] = r["step_s"] / uly["step_s"] if uly and r["cp"] > 1 else None
+    for (cp, variant), row in zip(runs, rows):  # paired: against Ulysses' step in the same sweep, median over sweeps
+        uly = runs.get((cp, "ulysses"))
+        row["vs_ulysses"] = statistics.median(a["step_s"] / u["step_s"] for a, u in zip(runs[(cp, variant)], uly)) \
+            if uly and cp > 1 else None
     machine["loadavg_end"] = os.getloadavg()
     first = rows[0]["losses"]
     for r in rows:  # every layout trains the same sequences from the same weights: the same losses

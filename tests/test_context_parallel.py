@@ -19,7 +19,7 @@ from ultrascale.testing.compare import FP32, check_against_single, compare_again
 from ultrascale.testing.harness import run_distributed, worker_context
 
 VARIANTS = ("allgather", "ring", "zigzag", "ulysses")
-ATTENTION_RTOL = 1e-5  # fp32 against a float64 reference: measured <= 5.3e-7 (default, AVX2, AVX512 kernels)
+ATTENTION_RTOL = 1e-5  # fp32 against a float64 reference: measured <= 7.5e-7 (default, AVX2, AVX512 kernels)
 
 
 # -- which tokens a rank holds ----------------------------------------------------
