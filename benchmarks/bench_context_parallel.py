@@ -9,10 +9,10 @@ single-process run, attention by scaled_dot_product_attention) and at each
 - step time: a step ends when its slowest rank ends; median over the timed steps;
 - attention time: forward + backward of this rank's attention computation per
   step, communication excluded. For allgather, ring and zigzag that is the
-  per-block math (blocks.block_forward / block_backward, timed around each call);
+  per-block attention (blocks.block_forward / block_backward, timed around each call);
   for ulysses and cp 1 it is scaled_dot_product_attention and its backward
   (timed by identity autograd functions on its output and its query input);
-- attention work: (query, key) score elements computed by the block math
+- attention work: (query, key) score elements computed by the blocks
   (blocks.WORK; a diagonal block counts whole, as it is computed whole);
 - activations: the trainer's meter (bytes autograd keeps for backward, per micro-batch).
 
@@ -155,9 +155,9 @@ def markdown(rows, machine, spec, command) -> str:
         f"Model: `{spec['model']}` {spec['overrides'] or ''} at {spec['seq_len']} tokens per sequence, micro-batch "
         f"1, fp32, one process per cp rank; {spec['warmup']} warm-up step(s), then {spec['steps']} timed steps, "
         f"the whole sweep {spec['repeats']} time(s) over. Step time: the slowest rank's, median over all timed "
-        f"steps; vs Ulysses: its ratio to Ulysses' step at the same cp in the same sweep, median over the sweeps. Attention: this rank's forward + backward "
-        f"attention (median over the repeats) "
-        f"computation per step (communication excluded). Work: score elements the block math computed "
+        f"steps; vs Ulysses: its ratio to Ulysses' step at the same cp in the same sweep, median over the "
+        f"sweeps. Attention: this rank's forward + backward attention computation per step (communication "
+        f"excluded; median over the sweeps). Work: score elements the blocks computed "
         f"per step (forward + backward; SDPA's are not counted).", "",
         "| cp | variant | step (s) | vs Ulysses | attention per rank (s) | slowest / fastest | work per rank (M) "
         "| activations per rank (MiB) |",
@@ -168,7 +168,8 @@ def markdown(rows, machine, spec, command) -> str:
         work = " / ".join(f"{w / 1e6:.1f}" for w in r["work"]) if any(r["work"]) else "-"
         act = " / ".join(f"{a / 2**20:.1f}" for a in r["activations"])
         vs = f"{r['vs_ulysses']:.2f}x" if r["vs_ulysses"] else "-"
-        lines.append(f"| {r['cp']} | {r['variant']} | {r['step_s']:.2f} | {vs} | {' / '.join(f'{a:.2f}' for a in att)} | "
+        lines.append(f"| {r['cp']} | {r['variant']} | {r['step_s']:.2f} | {vs} | "
+                     f"{' / '.join(f'{a:.2f}' for a in att)} | "
                      f"{max(att) / min(att):.2f}x | {work} | {act} |")
     return "\n".join(lines)
 

@@ -243,7 +243,8 @@ def main(argv=None) -> None:
     if args.vs_dense:
         from ultrascale.config import TrainConfig
 
-        args.seq_len, args.micro_batch = args.seq_len or TrainConfig.seq_len, args.micro_batch or TrainConfig.micro_batch
+        args.seq_len = args.seq_len or TrainConfig.seq_len
+        args.micro_batch = args.micro_batch or TrainConfig.micro_batch
         machine, command = common.machine_info(), common.command_line()
         print(f"{machine['cpu']} | {machine['cores']} cores | torch {machine['torch']}\n{command}", flush=True)
         return main_vs_dense(args, machine, command)
