@@ -35,8 +35,22 @@ def machine_info() -> dict:
                     break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "loadavg_start": os.getloadavg()}
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa": cpu_isa(), "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform(), "loadavg_start": os.getloadavg()}
+
+
+def cpu_isa() -> str:
+    """The vector instructions that pick torch's CPU kernels (two CPUs named alike can differ here)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return "unknown"
+    names = [("avx512f", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"), ("amx_tile", "AMX")]
+    found = [name for flag, name in names if flag in flags]
+    if not found:
+        found = ["AVX2"] if "avx2" in flags else ["no AVX2"]
+    return ", ".join(found)
 
 
 def command_line() -> str:
