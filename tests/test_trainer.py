@@ -107,3 +107,69 @@ def test_jsonl_log_has_the_documented_fields(tmp_path):
         assert r["tokens"] == 8 * 32
         # No datasheet knows a CPU: its ceiling is measured at start-up (train/peak.py).
         assert r["peak_source"] == "measured" and r["mfu"] == pytest.approx(r["tflops"] / r["peak_tflops"])
+
+
+def _adamw_on_pieces(cuts, grads, step_fn=None):
+    """The engine's AdamW (train/optim.py) on one tensor cut into ZeRO-like shards at `cuts`, for len(grads)
+    steps; the shards joined back. step_fn replaces the optimizer's step (for a deliberately wrong one)."""
+    from ultrascale.train.optim import build_adamw
+
+    t = TrainConfig(lr=1e-2, weight_decay=0.1)
+    pieces = [x.clone() for x in torch.tensor_split(torch.linspace(-1, 1, 1001), cuts)]
+    opt = build_adamw(pieces, [True] * len(pieces), t)
+    for g in grads:
+        for p, gp in zip(pieces, torch.tensor_split(g, cuts)):
+            p.grad = gp.clone()
+        (step_fn or (lambda o, ps: o.step()))(opt, pieces)
+    return torch.cat([p.detach() for p in pieces])
+
+
+def _lamb_like(opt, pieces):
+    # A realistic mistake for a sharded optimizer: an update scaled by the norm of the tensor it is
+    # given (LAMB's trust ratio), which on a shard is the shard's norm, not the parameter's.
+    opt.step()
+    with torch.no_grad():
+        for p in pieces:
+            p.mul_(1 + 1e-3 * p.norm() / p.numel() ** 0.5)
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["adamw", "wrong-per-shard-norm"])
+def test_adamw_on_shards_cut_anywhere_equals_adamw_on_the_whole(wrong):
+    # ZeRO hands the optimizer shards of the parameters: each element's update must not depend on
+    # where the tensor was cut, beyond rounding (a cut moves the fused kernel's scalar tail, which
+    # rounds a few elements an ulp or two apart from its vector body: 4.7e-10 here, where the
+    # per-shard norm below moves them by 1.8e-3), and it must be AdamW's (float64, by hand).
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(1001, generator=g) for _ in range(4)]
+    step_fn = _lamb_like if wrong else None
+    whole = _adamw_on_pieces([], grads, step_fn)
+    sharded = [_adamw_on_pieces(c, grads, step_fn) for c in ([7], [1, 2, 3, 500], [333, 666], [1000])]
+    worst = max((whole - s).abs().max().item() for s in sharded)  # |values| <= 1.1: 1e-6 is ~16 ulps
+    assert (worst <= 1e-6) != wrong, f"shards differ from the whole tensor by up to {worst:.1e}"
+    if wrong:
+        return
+    lr, wd, (b1, b2), eps = 1e-2, 0.1, (0.9, 0.95), 1e-8
+    t = TrainConfig(lr=lr, weight_decay=wd)
+    assert (t.beta1, t.beta2, t.eps) == (b1, b2, eps)
+    p, m, v = torch.linspace(-1, 1, 1001).double(), torch.zeros(1001, dtype=torch.float64), 0
+    for k, gk in enumerate(grads, 1):
+        gk = gk.double()
+        m, v = b1 * m + (1 - b1) * gk, b2 * v + (1 - b2) * gk * gk
+        p = p * (1 - lr * wd) - lr * (m / (1 - b1 ** k)) / ((v / (1 - b2 ** k)).sqrt() + eps)
+    torch.testing.assert_close(whole.double(), p, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["norm", "wrong-shares-ignored"])
+def test_clip_grad_norm_weighs_each_gradient_by_its_share(wrong):
+    from ultrascale.train.optim import clip_grad_norm_
+
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(s, generator=g) for s in ((64, 32), (32,), (5, 7, 3))]
+    shares = [1.0, 0.5, 0.25]  # e.g. a norm weight replicated on 2 ranks counts 1/2 on each
+    want = sum(s * x.double().pow(2).sum() for s, x in zip(shares, grads)).sqrt().item()
+    before = [x.clone() for x in grads]
+    got = clip_grad_norm_(grads, 1.0, shares=None if wrong else shares)
+    assert (abs(got - want) <= 1e-6 * want) != wrong, (got, want)
+    if not wrong:  # clipped to norm 1 by one common factor
+        for x, x0 in zip(grads, before):
+            torch.testing.assert_close(x.double(), x0.double() / (want + 1e-6), rtol=1e-6, atol=0)

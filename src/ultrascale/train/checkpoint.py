@@ -142,7 +142,8 @@ def _ensure_adam_state(opt, step: int) -> None:
             if not state:
                 state["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
-            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+            # On the parameter's device: the fused AdamW reads its step there (a CPU tensor beside CUDA ones fails).
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=m.device)
 
 
 def _router_biases(trainer) -> dict:
