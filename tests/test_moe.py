@@ -83,7 +83,10 @@ def test_top1_without_renorm_weights_by_the_score():
     for i in range(7):
         e = int(p[i].argmax())
         rows.append(p[i, e] * swiglu(t[i:i + 1], m.experts.gate[e], m.experts.up[e], m.experts.down[e])[0])
-    torch.testing.assert_close(m(t[None])[0], torch.stack(rows), rtol=1e-5, atol=1e-6)
+    want = torch.stack(rows).detach()
+    # Entries near zero are differences of terms as large as the largest output: their float32 error
+    # scales with that (one kernel set's summation order rounds them otherwise), hence atol relative to it.
+    torch.testing.assert_close(m(t[None])[0], want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
 
 
 def test_capacity_drops_exactly_the_lowest_scoring_assignments():
