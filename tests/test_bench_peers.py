@@ -1,0 +1,127 @@
+"""benchmarks/bench_peers.py's arithmetic and its page writing, on constructed results.
+
+Nothing is timed: the step times below are made up, and every expected figure is worked out
+by hand from them (the measured table is docs/benchmarks.md's, written by the script).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def peers():
+    sys.path.insert(0, str(BENCH))  # the script imports its neighbour _common
+    try:
+        spec = importlib.util.spec_from_file_location("bench_peers", BENCH / "bench_peers.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_peers"] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("bench_peers", None)
+        sys.path.remove(str(BENCH))
+
+
+def test_speed_is_the_peers_time_over_ours_paired_by_round(peers):
+    # Two rounds of two steps. Round means: ours 1.0, 2.0; peer 2.0, 2.0 -> per round 2.0 and 1.0, median 1.5.
+    # Medians: peer 2.0 over ours (1 + 2) / 2 = 1.5 -> 4/3. Above 1: ours is faster.
+    paired, medians = peers.speed([1.0, 1.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0], steps=2)
+    assert paired == pytest.approx(1.5)
+    assert medians == pytest.approx(4 / 3)
+    # The same pair the other way round reads below 1 (a swapped direction would not).
+    paired, _ = peers.speed([2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 2.0, 2.0], steps=2)
+    assert paired == pytest.approx(0.75)
+
+
+def test_rows_from_the_data_parallel_json(peers):
+    # The shape bench_data_parallel.py writes: per phase, rows naming their peer by label.
+    res = {"spec": {"steps": 1}, "results": [{"world": 2, "phase": "dp", "rows": [
+        {"key": "bucket", "runner": "ours bucket", "step_times_s": [0.5, 0.5, 0.5], "peer": "PyTorch DDP",
+         "loss_max_rel_diff_vs_peer": 2e-6},
+        {"key": "ddp", "runner": "PyTorch DDP", "step_times_s": [0.5, 0.6, 0.4]},
+    ]}]}
+    (row,) = peers.rows_dp(res)
+    assert (row.technique, row.ours, row.peer, row.ranks) == ("data parallel", "bucket", "PyTorch DDP", 2)
+    assert row.paired == pytest.approx(1.0)  # rounds 1.0, 1.2, 0.8
+    assert row.loss_diff == 2e-6 and row.goal == pytest.approx(1 / 1.05)
+
+
+def test_context_parallel_rows_pair_by_sweep(peers):
+    # Two sweeps of two steps; one process 2.0 s a step, Ulysses 1.0 s, ring 1.0 then 2.0 (a loaded sweep).
+    res = {"spec": {"steps": 2}, "rows": [
+        {"cp": 1, "variant": "(one process)", "step_times_s": [2.0] * 4, "losses": [5.0, 4.0]},
+        {"cp": 2, "variant": "ring", "step_times_s": [1.0, 1.0, 2.0, 2.0], "losses": [5.0, 4.0004]},
+        {"cp": 2, "variant": "ulysses", "step_times_s": [1.0, 1.0, 1.0, 1.0], "losses": [5.0, 4.0]},
+    ]}
+    rows = {(r.ours, r.peer): r for r in peers.rows_cp(res)}
+    assert set(rows) == {("ring", "one process"), ("ring", "ulysses"), ("ulysses", "one process")}
+    assert rows["ring", "one process"].paired == pytest.approx(1.5)  # sweeps 2.0 and 1.0
+    assert rows["ring", "ulysses"].paired == pytest.approx(0.75)  # sweeps 1.0 and 0.5
+    assert rows["ring", "ulysses"].loss_diff == pytest.approx(1e-4)
+    assert rows["ulysses", "one process"].paired == pytest.approx(2.0)
+
+
+def test_table_rows_and_verdicts(peers):
+    met = peers.Row("tensor parallel", "TP", "DTensor TP", 2, 0.5, 0.6, 1.2, 1.19, 3e-6, 1 / 1.05)
+    missed = peers.Row("experts, ep 2", "tiny-moe", "tiny", 2, 0.04, 0.02, 0.5, 0.52, None, 0.7)
+    header, rule, a, b = peers.table([met, missed])
+    assert header.count("|") == rule.count("|") == a.count("|") == b.count("|")
+    assert a == ("| tensor parallel | TP | DTensor TP | 2 | 0.500 | 0.600 | **1.20x** | 1.19x | ≥ 0.95x: met "
+                 "| 3.0e-06 |")
+    assert b.endswith("| **0.50x** | 0.52x | ≥ 0.70x: missed | - |")
+
+
+def measuring(*args):
+    pytest.fail("bad arguments got past the checks: the benchmarks would have run")
+
+
+PAGE = "# Benchmarks\n\nintro\n\n{begin}\nold table\nmore\n{end}\n\n## Next section\n"
+
+
+def test_the_table_replaces_only_what_is_between_the_markers(peers):
+    page = PAGE.format(begin=peers.BEGIN, end=peers.END)
+    once = peers.replace_between_markers(page, "| new | table |\n")
+    assert once == PAGE.format(begin=peers.BEGIN, end=peers.END).replace("old table\nmore\n", "| new | table |\n")
+    assert peers.replace_between_markers(once, "| newer |") == once.replace("| new | table |", "| newer |")
+
+
+@pytest.mark.parametrize("page", [
+    "# Benchmarks\n\nno markers\n",
+    PAGE.format(begin="{end}", end="{begin}"),  # in the wrong order
+    PAGE.format(begin="{begin}", end="{end}") + "{begin}\n",  # twice
+])
+def test_a_page_without_its_markers_is_refused_before_anything_runs(peers, tmp_path, capsys, monkeypatch, page):
+    monkeypatch.setattr(peers, "run_suite", measuring)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(page.format(begin=peers.BEGIN, end=peers.END))
+    before = doc.read_text()
+    with pytest.raises(SystemExit) as e:
+        peers.main(["--doc", str(doc), "--json-dir", str(tmp_path / "out")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"bench_peers: --doc {doc}: needs the line") and "\n" not in err
+    assert doc.read_text() == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--doc", "{tmp}/missing.md"], "cannot read it"),
+    (["--no-doc", "--json-dir", "{tmp}/page.md"], "is a file: pass a directory"),
+    (["--no-doc", "--json-dir", "{tmp}/no/such/dir"], "cannot write there"),
+    (["--no-doc", "--repeats", "0"], "must be at least 1"),
+    (["--no-doc", "--cp", "1"], "sizes must be at least 2"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(peers, tmp_path, capsys, monkeypatch, args, says):
+    monkeypatch.setattr(peers, "run_suite", measuring)
+    (tmp_path / "page.md").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        peers.main([a.format(tmp=tmp_path) for a in args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err and err.startswith("bench_peers: ")
