@@ -30,7 +30,7 @@ The table goes between the two marker lines of --doc (docs/benchmarks.md), with 
 machine, the date, this command and each benchmark's own command. Wrong arguments
 (a --doc without the markers, a --json-dir that cannot be written) are refused
 before anything runs; the page is replaced in one move only when every benchmark
-ran.
+ran. `--only dp tp` runs some of them and prints their rows, leaving the page alone.
 
     .venv/bin/python benchmarks/bench_peers.py
 """
@@ -187,7 +187,7 @@ SUITES = [
     Suite("tp", "bench_tensor_parallel.py", lambda a: [
         "--tp", "2", "--repeats", str(a.repeats or 4), "--steps", "2", "--warmup", "1"], rows_tp),
     Suite("pp", "bench_pipeline.py", lambda a: [
-        "--pp", "2", "--schedules", "1f1b", "interleaved", "--repeats", str(a.repeats or 4), "--steps", "1",
+        "--pp", "2", "--schedules", "1f1b", "interleaved", "--repeats", str(a.repeats or 4), "--steps", "2",
         "--warmup", "1"], rows_pp),
     Suite("hf", "bench_single_vs_hf.py", lambda a: [
         "--model", "small", "--repeats", str(2 * (a.repeats or 4)), "--warmup", "2", "--max-wait", "3"], rows_hf),
@@ -296,11 +296,15 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, help="interleaved rounds per benchmark (default 4; one process 8; "
                    "context parallel half as many sweeps)")
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4], help="context-parallel sizes (default 2 4)")
-    p.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"),
-                   help="the page whose marked block gets the table (default docs/benchmarks.md)")
-    p.add_argument("--no-doc", dest="doc", action="store_const", const=None, help="print the table only")
+    p.add_argument("--doc", help="the page whose marked block gets the table (default docs/benchmarks.md, "
+                   "unless --only: that page's table is one whole run's)")
+    p.add_argument("--no-doc", action="store_true", help="print the table only")
     p.add_argument("--json-dir", help="keep each benchmark's --json and peers.json here (default: a new temp dir)")
     args = p.parse_args(argv)
+    if args.no_doc:
+        args.doc = None
+    elif args.doc is None and not args.only:
+        args.doc = os.path.join(ROOT, "docs", "benchmarks.md")
     if args.repeats is not None and args.repeats < 1:
         fail(f"--repeats {args.repeats}: must be at least 1")
     if any(c < 2 for c in args.cp):
@@ -336,6 +340,8 @@ def main(argv=None) -> None:
             f.write(text)
         os.replace(tmp, args.doc)
         print(f"wrote the table into {args.doc}")
+    elif args.only:
+        print("--only: docs/benchmarks.md left as it was (its table is one whole run's; --doc names another page)")
 
 
 if __name__ == "__main__":
