@@ -130,7 +130,8 @@ def dualpipe_v(p: int, m: int, rank: int) -> list[Action]:
     """DualPipeV (DeepSeek's DualPipe cut in half, Sea AI Lab 2025): two chunks per rank in a V,
     chunk 0 going down the ranks and chunk 1 coming back up; m >= 2p micro-batches.
 
-    Transcribed phase by phase from deepseek-ai/DualPipe's dualpipev.py. Its steady
+    The phases and their counts are those of the reference schedule (deepseek-ai/DualPipe,
+    dualpipev.py), written here as actions like the other schedules. Its steady
     state (phase 4) pairs the forward of one micro-batch on one chunk with the
     backward of another on the other chunk (F0 with B1, then F1 with B0): on a GPU
     the pair runs as one overlapped step, each one's communication hidden behind
