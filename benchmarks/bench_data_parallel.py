@@ -1,7 +1,7 @@
 """Data parallelism and ZeRO of ultrascale against PyTorch DDP and FSDP2, on gloo processes.
 
 Every runner trains the same model, from the same initial weights, on the same
-batches, with the same recipe (fp32, AdamW foreach=False with our decay groups,
+batches, with the same recipe (fp32, AdamW (`build_adamw`, fused) with our decay groups,
 gradient clipping at --grad-clip, our learning-rate schedule):
 
 - ours: the real `Trainer.train_step` with `--dp-mode naive | overlap | bucket`

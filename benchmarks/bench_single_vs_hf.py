@@ -10,8 +10,14 @@ Both sides train the same shape on the same batches from the same initial weight
   biases, `attn_implementation="sdpa"`, no cache), its weights copied from our
   initial weights, trained by a plain loop: the same `TokenBatches` draw, logits ->
   the same fp32 cross-entropy, `backward`, `torch.nn.utils.clip_grad_norm_`,
-  `torch.optim.AdamW` with our decay groups and hyper-parameters (`foreach=False`),
-  the same learning-rate schedule.
+  `torch.optim.AdamW` with our decay groups and hyper-parameters, fused (`fused=True`:
+  what transformers' `Trainer` uses by default with torch >= 2.8, `adamw_torch_fused`;
+  ours is fused too, train/optim.py), the same learning-rate schedule.
+
+MFU: `--peak` (on by default) runs `ultrascale peak`'s measurement (square fp32 or bf16
+matmuls, best of 10 repeats) before the first and after the last round of each shape, in
+the same process, behind the same idle gate; each runner's MFU is FLOPs per token (the
+trainer's 6N + 12·L·h·s) x tokens/s at its median over the higher of the two ceilings.
 
 dtype:
 - fp32: both sides compute and update in fp32.
@@ -54,12 +60,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as common  # noqa: E402
 from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, validate
 from ultrascale.distributed.context import build_context
-from ultrascale.model import build_model, cross_entropy_loss
+from ultrascale.model import build_model, cross_entropy_loss, flops_per_token
 from ultrascale.model.config import PRESETS, ModelConfig, count_params, get_preset
 from ultrascale.model.hf import hf_name, to_hf_config
 from ultrascale.train.data import TokenBatches, load_tokens
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, storage_bytes
 from ultrascale.train.optim import lr_at
+from ultrascale.train.peak import measure as peak_measure
 from ultrascale.train.trainer import Trainer
 
 # Shapes defined here, on top of the ultrascale presets.
@@ -100,6 +107,24 @@ class Ours:
             self.activations = m["memory"]["activations"]
         return m["step_time_s"]
 
+    def meter_cost(self) -> tuple[int, float]:
+        """(tensors one forward saves, seconds the meter's hook takes over them, best of 20): the whole
+        of what measuring activations adds to a step, timed apart from the step's noise."""
+        t = self.trainer
+        inputs, targets = t.data.micro_batches(0, 0, 1, 1, t.ctx.device)[0]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+            loss = t.loss_fn(t.model(inputs), targets)
+        del loss
+        best = float("inf")
+        for _ in range(20):
+            start = time.perf_counter()
+            for x in saved:
+                t.meter._pack(x)
+            best = min(best, time.perf_counter() - start)
+        t.meter.saved = {}
+        return len(saved), best
+
     def state_bytes(self) -> int:
         t = self.trainer
         return (storage_bytes(t.model.parameters()) + storage_bytes(t.grads.grads())
@@ -132,7 +157,7 @@ class HF:
         no_decay = [p for _, p in named if p.ndim < 2]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
+            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
         self.data = TokenBatches(load_tokens(t.data, t.tokenizer, t.data_column, t.data_split),
                                  t.seq_len, run.global_batch, t.seed)
         self.bf16 = t.dtype == "bf16"
@@ -155,7 +180,7 @@ class HF:
             loss = cross_entropy_loss(logits, targets)
             (loss / len(micro_batches)).backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip, foreach=False).item()
+        torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip).item()  # as the Trainer calls it
         lr = lr_at(self.steps, t)
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -255,8 +280,11 @@ def bench_shape(cfg: ModelConfig, args) -> dict:
                  f"count_params {count_params(cfg):,}")
     logits_diff = check_same_function(ours, hf) if args.dtype == "fp32" else None
     hf.measure_activations()
+    meter_calls, meter_s = ours.meter_cost()
 
     runners = [r for r in (ours, ours_off, hf) if r is not None]
+    gate = IdleGate(args.idle_below, args.max_wait)
+    peaks = [measure_peak(device, args.dtype, gate)] if args.peak else []
     print(f"\n{cfg.name}: {n_ours:,} parameters in both models"
           + (f", max |logits diff| at init {logits_diff:.1e}" if logits_diff is not None else ""), flush=True)
     for r in runners:
@@ -264,7 +292,6 @@ def bench_shape(cfg: ModelConfig, args) -> dict:
             r.step()
     times: dict[str, list[float]] = {r.label: [] for r in runners}
     rounds: list[dict[str, float]] = []  # per round: each runner's mean step time in it
-    gate = IdleGate(args.idle_below, args.max_wait)
     for rep in range(args.repeats):
         order = runners[rep % len(runners):] + runners[:rep % len(runners)]
         rounds.append({})
@@ -278,6 +305,10 @@ def bench_shape(cfg: ModelConfig, args) -> dict:
             print(f"  round {rep + 1}/{args.repeats} {r.label}: "
                   + " ".join(f"{s:.3f}s" for s in block) + others, flush=True)
 
+    if args.peak:
+        peaks.append(measure_peak(device, args.dtype, gate))
+    peak = max(peaks) if peaks else None  # the higher ceiling: the lower, safer MFU
+    fpt = flops_per_token(cfg, t.seq_len)
     tokens = run.global_batch * t.seq_len
     hf_median = statistics.median(times[hf.label])
     rows = []
@@ -291,6 +322,7 @@ def bench_shape(cfg: ModelConfig, args) -> dict:
             "tokens_per_s": tokens / med, "ratio_vs_hf": hf_median / med,
             # Each round's HF time over this runner's time in the same round (neighbours in time), median over rounds.
             "paired_ratio_vs_hf": statistics.median([rd[hf.label] / rd[r.label] for rd in rounds]),
+            "mfu": tokens / med * fpt / 1e12 / peak if peak else None,
             "activations_bytes": r.activations, "state_bytes": r.state_bytes(),
             "step_times_s": times[r.label], "losses": r.losses,
         })
@@ -300,9 +332,20 @@ def bench_shape(cfg: ModelConfig, args) -> dict:
     meter_exact = ours.losses == ours_off.losses if ours_off is not None else None
     idle = {"below": args.idle_below, "blocks": len(gate.seen), "started_busy": gate.gave_up,
             "busy_elsewhere_at_start": gate.seen}
-    return {"model": cfg.to_dict(), "rows": rows, "idle_gate": idle, "logits_max_abs_diff_at_init": logits_diff,
+    return {"model": cfg.to_dict(), "rows": rows, "idle_gate": idle, "peaks_tflops": peaks,
+            "flops_per_token": fpt, "logits_max_abs_diff_at_init": logits_diff,
             "loss_max_rel_diff_ours_vs_hf": loss_rel, "loss_identical_steps": same,
-            "meter_changes_nothing": meter_exact}
+            "meter_changes_nothing": meter_exact, "meter_hook_calls": meter_calls, "meter_hook_s": meter_s}
+
+
+def measure_peak(device: torch.device, dtype: str, gate: "IdleGate") -> float:
+    """`ultrascale peak` in this process (its sizes, 10 repeats, 5 s budget), after the idle gate."""
+    gc.collect()
+    gate.wait()
+    p = peak_measure(device, dtype, repeats=10, budget_s=5.0)
+    print(f"  peak {p.tflops:.4g} TFLOP/s ({dtype} matmul, {p.device}; "
+          + ", ".join(f"n={n}: {v:.3g}" for n, v in p.by_size.items()) + ")", flush=True)
+    return p.tflops
 
 
 # -- reporting ------------------------------------------------------------------
@@ -326,9 +369,9 @@ def markdown(results: list[dict], machine: dict, args) -> str:
         f"then {args.repeats} interleaved rounds of {args.steps} step(s) per runner; median step time "
         f"(quartiles in brackets).",
         "",
-        "| shape | params | runner | step time (s), median [quartiles] | best (s) | tokens/s | vs HF | vs HF, paired "
-        "| activations (MiB) | params+grads+optim (MiB) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| shape | params | runner | step time (s), median [quartiles] | best (s) | tokens/s | MFU | vs HF "
+        "| vs HF, paired | activations (MiB) | params+grads+optim (MiB) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for res in results:
         for r in res["rows"]:
@@ -336,6 +379,7 @@ def markdown(results: list[dict], machine: dict, args) -> str:
             lines.append(
                 f"| {r['shape']} | {r['params'] / 1e6:.2f}M | {r['runner']} | {r['median_step_s']:.3f} "
                 f"[{r['q1_step_s']:.3f}-{r['q3_step_s']:.3f}] | {r['min_step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                f"{'-' if r['mfu'] is None else format(100 * r['mfu'], '.1f') + '%'} | "
                 f"{r['ratio_vs_hf']:.2f}x | {r['paired_ratio_vs_hf']:.2f}x | "
                 f"{act} | {r['state_bytes'] / 2**20:.1f} |")
     lines.append("")
@@ -356,7 +400,14 @@ def markdown(results: list[dict], machine: dict, args) -> str:
             check += (f"; other processes used {100 * statistics.median(seen):.0f}% (median), at most "
                       f"{100 * max(seen):.0f}% of the CPUs when a block started ({gate['started_busy']} of "
                       f"{gate['blocks']} blocks started above the {100 * gate['below']:.0f}% threshold)")
+        if res["peaks_tflops"]:
+            check += ("; `ultrascale peak` in the same run, before / after the rounds: "
+                      + " / ".join(f"{x:.4g}" for x in res["peaks_tflops"]) + " TFLOP/s (MFU against the higher), "
+                      f"{res['flops_per_token'] / 1e6:.2f} MFLOP per token")
         meter = res["meter_changes_nothing"]
+        check += (f"; the activation meter's hook: {res['meter_hook_calls']} calls per forward, "
+                  f"{1e3 * res['meter_hook_s']:.2f} ms ({100 * res['meter_hook_s'] / rows[0]['median_step_s']:.2f}% "
+                  f"of the median step)")
         lines.append(f"- {name}: {check}" + ("" if meter is None else "; losses with and without the activation meter "
                                               + ("identical" if meter else "DIFFERENT")))
     return "\n".join(lines)
@@ -385,6 +436,8 @@ def main(argv=None) -> None:
                    help="longest wait for a quiet machine before a block; then it runs anyway (and is counted)")
     p.add_argument("--json", metavar="OUT", help="write every step time and loss here")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--no-peak", dest="peak", action="store_false",
+                   help="skip the matmul ceiling (`ultrascale peak`) before and after each shape, and MFU")
     args = p.parse_args(argv)
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -409,6 +462,8 @@ def main(argv=None) -> None:
                 summary[f"{row['shape']}_ours_tokens_per_s"] = row["tokens_per_s"]
                 summary[f"{row['shape']}_ours_vs_hf"] = row["ratio_vs_hf"]
                 summary[f"{row['shape']}_ours_vs_hf_paired"] = row["paired_ratio_vs_hf"]
+                if row["mfu"] is not None:
+                    summary[f"{row['shape']}_ours_mfu"] = row["mfu"]
             json.dump({"command": sys.argv, "machine": machine, "args": vars(args), "summary": summary,
                        "results": results}, f, indent=1)
 

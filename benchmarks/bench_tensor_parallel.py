@@ -2,7 +2,7 @@
 
 tp = number of ranks (no data parallelism). Every runner trains the same model
 from the same initial weights on the same batches with the same recipe (fp32,
-AdamW foreach=False with our decay groups, clipping of the global gradient norm
+AdamW (`build_adamw`, fused) with our decay groups, clipping of the global gradient norm
 at --grad-clip, our learning-rate schedule):
 
 - ours: the real `Trainer.train_step` with `--tp N` (and `--sp`): Megatron
