@@ -22,8 +22,9 @@ one after the other and the whole sweep again (--repeats): a sweep is its round.
 
 Every ratio reads the same way: **speed of ours over the peer's** = the peer's step
 time over ours (for the same tokens: ours' tokens/s over the peer's). Above 1.00x
-ours is faster. "paired" is the median over rounds of that ratio within a round;
-"medians" is the ratio of the two median step times. The verdict against a goal
+ours is faster. "paired" is the median over rounds of that ratio within a round,
+with the quartiles of the rounds' ratios beside it (a wide spread: load moved the
+pair); "medians" is the ratio of the two median step times. The verdict against a goal
 uses the paired ratio.
 
 The table goes between the two marker lines of --doc (docs/benchmarks.md), with the
@@ -63,10 +64,17 @@ def round_means(times: list[float], steps: int) -> list[float]:
     return [statistics.fmean(times[i:i + steps]) for i in range(0, len(times) - steps + 1, steps)]
 
 
-def speed(ours: list[float], peer: list[float], steps: int) -> tuple[float, float]:
-    """(paired, medians): the peer's time over ours, above 1 = ours faster."""
-    paired = statistics.median(p / o for o, p in zip(round_means(ours, steps), round_means(peer, steps)))
-    return paired, statistics.median(peer) / statistics.median(ours)
+def speed(ours: list[float], peer: list[float], steps: int) -> tuple[float, float, list[float]]:
+    """(paired, medians, each round's ratio): the peer's time over ours, above 1 = ours faster."""
+    per_round = [p / o for o, p in zip(round_means(ours, steps), round_means(peer, steps))]
+    return statistics.median(per_round), statistics.median(peer) / statistics.median(ours), per_round
+
+
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 @dataclasses.dataclass
@@ -79,14 +87,15 @@ class Row:
     peer_s: float
     paired: float  # speed of ours over the peer's, see the module docstring
     medians: float
+    rounds: list[float]  # each round's ratio: their spread is how much the load moved the pair
     loss_diff: float | None = None  # largest relative loss difference to the peer; None: not the same model
     goal: float | None = None  # the speed the paired ratio should reach
 
 
 def compare(technique, ours_label, peer_label, ranks, ours_times, peer_times, steps, loss_diff=None, goal=None):
-    paired, medians = speed(ours_times, peer_times, steps)
+    paired, medians, rounds = speed(ours_times, peer_times, steps)
     return Row(technique, ours_label, peer_label, ranks, statistics.median(ours_times), statistics.median(peer_times),
-               paired, medians, loss_diff, goal)
+               paired, medians, rounds, loss_diff, goal)
 
 
 # -- reading each benchmark's --json --------------------------------------------
@@ -206,13 +215,15 @@ def verdict(r: Row) -> str:
 
 
 def table(rows: list[Row]) -> list[str]:
-    lines = ["| technique | ours | peer | ranks | ours (s) | peer (s) | speed vs peer, paired | medians | goal "
-             "| loss rel diff |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    lines = ["| technique | ours | peer | ranks | ours (s) | peer (s) | speed vs peer, paired | rounds: quartiles (n) "
+             "| medians | goal | loss rel diff |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         diff = "-" if r.loss_diff is None else f"{r.loss_diff:.1e}"
+        q1, q3 = quartiles(r.rounds)
         lines.append(f"| {r.technique} | {r.ours} | {r.peer} | {r.ranks} | {r.ours_s:.3f} | {r.peer_s:.3f} | "
-                     f"**{r.paired:.2f}x** | {r.medians:.2f}x | {verdict(r)} | {diff} |")
+                     f"**{r.paired:.2f}x** | {q1:.2f}-{q3:.2f} ({len(r.rounds)}) | {r.medians:.2f}x | {verdict(r)} "
+                     f"| {diff} |")
     return lines
 
 

@@ -32,11 +32,11 @@ def peers():
 def test_speed_is_the_peers_time_over_ours_paired_by_round(peers):
     # Two rounds of two steps. Round means: ours 1.0, 2.0; peer 2.0, 2.0 -> per round 2.0 and 1.0, median 1.5.
     # Medians: peer 2.0 over ours (1 + 2) / 2 = 1.5 -> 4/3. Above 1: ours is faster.
-    paired, medians = peers.speed([1.0, 1.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0], steps=2)
-    assert paired == pytest.approx(1.5)
+    paired, medians, rounds = peers.speed([1.0, 1.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0], steps=2)
+    assert paired == pytest.approx(1.5) and rounds == pytest.approx([2.0, 1.0])
     assert medians == pytest.approx(4 / 3)
     # The same pair the other way round reads below 1 (a swapped direction would not).
-    paired, _ = peers.speed([2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 2.0, 2.0], steps=2)
+    paired, _, _ = peers.speed([2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 2.0, 2.0], steps=2)
     assert paired == pytest.approx(0.75)
 
 
@@ -69,13 +69,15 @@ def test_context_parallel_rows_pair_by_sweep(peers):
 
 
 def test_table_rows_and_verdicts(peers):
-    met = peers.Row("tensor parallel", "TP", "DTensor TP", 2, 0.5, 0.6, 1.2, 1.19, 3e-6, 1 / 1.05)
-    missed = peers.Row("experts, ep 2", "tiny-moe", "tiny", 2, 0.04, 0.02, 0.5, 0.52, None, 0.7)
+    # Rounds 1.0 .. 1.4: inclusive quartiles 1.1 and 1.3.
+    met = peers.Row("tensor parallel", "TP", "DTensor TP", 2, 0.5, 0.6, 1.2, 1.19, [1.4, 1.0, 1.2, 1.1, 1.3], 3e-6,
+                    1 / 1.05)
+    missed = peers.Row("experts, ep 2", "tiny-moe", "tiny", 2, 0.04, 0.02, 0.5, 0.52, [0.5], None, 0.7)
     header, rule, a, b = peers.table([met, missed])
     assert header.count("|") == rule.count("|") == a.count("|") == b.count("|")
-    assert a == ("| tensor parallel | TP | DTensor TP | 2 | 0.500 | 0.600 | **1.20x** | 1.19x | ≥ 0.95x: met "
-                 "| 3.0e-06 |")
-    assert b.endswith("| **0.50x** | 0.52x | ≥ 0.70x: missed | - |")
+    assert a == ("| tensor parallel | TP | DTensor TP | 2 | 0.500 | 0.600 | **1.20x** | 1.10-1.30 (5) | 1.19x "
+                 "| ≥ 0.95x: met | 3.0e-06 |")
+    assert b.endswith("| **0.50x** | 0.50-0.50 (1) | 0.52x | ≥ 0.70x: missed | - |")
 
 
 def measuring(*args):
