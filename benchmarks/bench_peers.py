@@ -233,7 +233,8 @@ def section(rows: list[Row], machine: dict, runs: list[dict], command: str, date
         f"Measured {date} on {machine['cpu']} ({machine['isa']}), {machine['cores']} cores; Python "
         f"{machine['python']}, torch {machine['torch']}" + (f", transformers {machine['transformers']}"
                                                             if machine.get("transformers") else "")
-        + f"; gloo over loopback, one torch thread per rank (one process: {machine['cores']} threads). "
+        + "; gloo over loopback, one torch thread per process (the one-process runs of context parallelism "
+        f"and experts too), except the comparison with transformers: one process of {machine['cores']} threads. "
         f"Load average (1 min) at the start -> end of each benchmark: {load}. "
         f"Total {sum(r['seconds'] for r in runs) / 60:.1f} min.", "",
         "```", command, "```", "",
@@ -296,8 +297,15 @@ def run_suite(suite: Suite, args, json_dir: str) -> dict:
     run = {"key": suite.key, "command": shown, "rc": rc, "seconds": time.perf_counter() - start,
            "load": (load0, os.getloadavg()[0])}
     if rc == 0:
-        with open(out) as f:
-            run["rows"] = [dataclasses.asdict(r) for r in suite.rows(json.load(f))]
+        try:
+            with open(out) as f:
+                result = json.load(f)
+            run["rows"] = [dataclasses.asdict(r) for r in suite.rows(result)]
+            run["transformers"] = result.get("machine", {}).get("transformers")
+        except (OSError, ValueError, KeyError, StopIteration) as e:  # its --json changed shape: the reader lags
+            print(f"bench_peers: {suite.key}: cannot read {out} ({type(e).__name__}: {e}): update rows_{suite.key} "
+                  f"in benchmarks/bench_peers.py to what {suite.script} writes", file=sys.stderr)
+            run["rc"] = "unreadable"
     return run
 
 
@@ -328,11 +336,7 @@ def main(argv=None) -> None:
     print(f"{machine['cpu']} ({machine['isa']}) | {machine['cores']} cores | torch {machine['torch']}\n{command}\n"
           f"results in {json_dir}", flush=True)
     runs = [run_suite(s, args, json_dir) for s in SUITES if not args.only or s.key in args.only]
-    try:
-        import transformers
-        machine["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    machine["transformers"] = next((r["transformers"] for r in runs if r.get("transformers")), None)
     rows = [Row(**r) for run in runs for r in run.get("rows", [])]
     block = section(rows, machine, runs, command, datetime.date.today().isoformat())
     print("\n" + block)
@@ -340,8 +344,9 @@ def main(argv=None) -> None:
         json.dump({"command": command, "machine": machine, "runs": runs}, f, indent=1)
     failed = [r for r in runs if r["rc"] != 0]
     if failed:
-        print("bench_peers: " + ", ".join(f"{r['key']} exited {r['rc']}" for r in failed)
-              + f" (its output is above): {args.doc or 'the page'} left as it was", file=sys.stderr)
+        print("bench_peers: " + ", ".join(f"{r['key']}: " + (f"exited {r['rc']}" if r["rc"] != "unreadable"
+                                                                else "its --json unreadable") for r in failed)
+              + f" (the output above says why): {args.doc or 'the page'} left as it was", file=sys.stderr)
         sys.exit(1)
     if args.doc:
         with open(args.doc) as f:  # read again: others may have edited the page while this ran

@@ -127,3 +127,48 @@ def test_bad_arguments_are_one_line_and_exit_2(peers, tmp_path, capsys, monkeypa
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert says in err and "\n" not in err and err.startswith("bench_peers: ")
+
+
+def fake_benchmark(written: dict):
+    """subprocess.call as the script makes it, writing `written` as the benchmark's --json instead of measuring."""
+    import json
+
+    def call(argv, cwd=None):
+        with open(argv[argv.index("--json") + 1], "w") as f:
+            json.dump(written, f)
+        return 0
+    return call
+
+
+EP_JSON = {"spec": {"steps": 1}, "rows": [  # bench_expert_parallel.py --vs-dense, two rounds per runner
+    {"world": 1, "runner": "dense", "step_times_s": [0.010, 0.012]},
+    {"world": 1, "runner": "moe", "step_times_s": [0.020, 0.016]},
+    {"world": 1, "runner": "moe, experts one by one", "step_times_s": [0.030, 0.030]},
+]}
+
+
+def test_a_run_writes_its_table_between_the_markers_and_nothing_else(peers, tmp_path, monkeypatch):
+    monkeypatch.setattr(peers.subprocess, "call", fake_benchmark(EP_JSON))
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(PAGE.format(begin=peers.BEGIN, end=peers.END))
+    peers.main(["--only", "ep", "--doc", str(doc), "--json-dir", str(tmp_path / "out")])
+    head, rest = doc.read_text().split(peers.BEGIN + "\n")
+    block, tail = rest.split(peers.END)
+    assert head == "# Benchmarks\n\nintro\n\n" and tail == "\n\n## Next section\n"
+    # Rounds 0.010/0.020 and 0.012/0.016: 0.5 and 0.75, median 0.625, quartiles (interpolated between the two)
+    # 0.5625 and 0.6875; medians 0.011 / 0.018.
+    assert ("| experts | tiny-moe | tiny (dense, same active FLOPs) | 1 | 0.018 | 0.011 | **0.62x** | 0.56-0.69 (2) "
+            "| 0.61x | ≥ 0.70x: missed | - |") in block.splitlines()
+    assert ".venv/bin/python benchmarks/bench_expert_parallel.py --vs-dense" in block
+    assert "old table" not in block
+
+
+def test_a_result_the_reader_cannot_parse_leaves_the_page_alone(peers, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(peers.subprocess, "call", fake_benchmark({"spec": {"steps": 1}, "results": []}))
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(PAGE.format(begin=peers.BEGIN, end=peers.END))
+    before = doc.read_text()
+    with pytest.raises(SystemExit) as e:
+        peers.main(["--only", "ep", "--doc", str(doc), "--json-dir", str(tmp_path / "out")])
+    assert e.value.code == 1
+    assert "ep: cannot read" in capsys.readouterr().err and doc.read_text() == before
