@@ -191,19 +191,19 @@ class Suite:
 
 SUITES = [
     Suite("dp", "bench_data_parallel.py", lambda a: [
-        "--world", "2", "--phases", "dp", "zero", "--repeats", str(a.repeats or 4), "--steps", "2", "--warmup", "1",
+        "--world", "2", "--phases", "dp", "zero", "--repeats", str(a.repeats), "--steps", "2", "--warmup", "1",
         "--profile-steps", "0"], rows_dp),
     Suite("tp", "bench_tensor_parallel.py", lambda a: [
-        "--tp", "2", "--repeats", str(a.repeats or 4), "--steps", "2", "--warmup", "1"], rows_tp),
+        "--tp", "2", "--repeats", str(a.repeats), "--steps", "2", "--warmup", "1"], rows_tp),
     Suite("pp", "bench_pipeline.py", lambda a: [
-        "--pp", "2", "--schedules", "1f1b", "interleaved", "--repeats", str(a.repeats or 4), "--steps", "2",
+        "--pp", "2", "--schedules", "1f1b", "interleaved", "--repeats", str(a.repeats), "--steps", "2",
         "--warmup", "1"], rows_pp),
     Suite("hf", "bench_single_vs_hf.py", lambda a: [
-        "--model", "small", "--repeats", str(2 * (a.repeats or 4)), "--warmup", "2", "--max-wait", "3"], rows_hf),
+        "--model", "small", "--repeats", str(2 * a.repeats), "--warmup", "2", "--max-wait", "3"], rows_hf),
     Suite("cp", "bench_context_parallel.py", lambda a: [
-        "--cp", *map(str, a.cp), "--seq-len", "4096", "--repeats", str(max(1, (a.repeats or 4) // 2))], rows_cp),
+        "--cp", *map(str, a.cp), "--seq-len", "4096", "--repeats", str(max(1, a.repeats // 2))], rows_cp),
     Suite("ep", "bench_expert_parallel.py", lambda a: [
-        "--vs-dense", "--repeats", str(a.repeats or 4), "--steps", "3"], rows_ep),
+        "--vs-dense", "--repeats", str(a.repeats), "--steps", "3"], rows_ep),
 ]
 
 
@@ -312,8 +312,8 @@ def run_suite(suite: Suite, args, json_dir: str) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="+", choices=[s.key for s in SUITES], help="run these benchmarks only")
-    p.add_argument("--repeats", type=int, help="interleaved rounds per benchmark (default 4; one process 8; "
-                   "context parallel half as many sweeps)")
+    p.add_argument("--repeats", type=int, default=6, help="interleaved rounds per benchmark (default 6; the "
+                   "one-process comparison twice as many, context parallelism half as many sweeps)")
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4], help="context-parallel sizes (default 2 4)")
     p.add_argument("--doc", help="the page whose marked block gets the table (default docs/benchmarks.md, "
                    "unless --only: that page's table is one whole run's)")
@@ -324,7 +324,7 @@ def main(argv=None) -> None:
         args.doc = None
     elif args.doc is None and not args.only:
         args.doc = os.path.join(ROOT, "docs", "benchmarks.md")
-    if args.repeats is not None and args.repeats < 1:
+    if args.repeats < 1:
         fail(f"--repeats {args.repeats}: must be at least 1")
     if any(c < 2 for c in args.cp):
         fail(f"--cp {' '.join(map(str, args.cp))}: sizes must be at least 2 (one process always runs)")
