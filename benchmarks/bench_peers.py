@@ -146,8 +146,8 @@ def rows_pp(res: dict) -> list[Row]:
 def rows_hf(res: dict) -> list[Row]:
     out, steps = [], res["args"]["steps"]
     for shape in res["results"]:
-        *ours, hf = shape["rows"]  # ours (trainer defaults), ours without the meter, then transformers
-        for r in ours:
+        hf = next(r for r in shape["rows"] if r["runner"].startswith("transformers"))
+        for r in (r for r in shape["rows"] if r["runner"].startswith("ultrascale")):  # defaults, then meter off
             label = "trainer, defaults" if r["runner"] == "ultrascale" else "trainer, " + r["runner"].split(", ", 1)[1]
             out.append(compare(f"one process ({r['shape']})", label, hf["runner"], 1, r["step_times_s"],
                                hf["step_times_s"], steps, shape["loss_max_rel_diff_ours_vs_hf"], 1.0))

@@ -53,6 +53,22 @@ def test_rows_from_the_data_parallel_json(peers):
     assert row.loss_diff == 2e-6 and row.goal == pytest.approx(1 / 1.05)
 
 
+def test_one_process_rows_pair_each_trainer_with_transformers(peers):
+    # bench_single_vs_hf.py's shape; transformers is found by name wherever its row stands.
+    res = {"args": {"steps": 1}, "results": [{"loss_max_rel_diff_ours_vs_hf": 1e-6, "rows": [
+        {"shape": "small", "runner": "transformers 5 LlamaForCausalLM (sdpa)", "step_times_s": [0.3, 0.3]},
+        {"shape": "small", "runner": "ultrascale", "step_times_s": [0.3, 0.6]},
+        {"shape": "small", "runner": "ultrascale, measure_activations=False", "step_times_s": [0.2, 0.3]},
+    ]}]}
+    defaults, meter_off = peers.rows_hf(res)
+    assert (defaults.technique, defaults.ours, defaults.peer) == (
+        "one process (small)", "trainer, defaults", "transformers 5 LlamaForCausalLM (sdpa)")
+    assert defaults.paired == pytest.approx(0.75)  # rounds 1.0 and 0.5
+    assert meter_off.ours == "trainer, measure_activations=False"
+    assert meter_off.paired == pytest.approx(1.25)  # rounds 1.5 and 1.0
+    assert defaults.goal == 1.0 and defaults.loss_diff == 1e-6
+
+
 def test_context_parallel_rows_pair_by_sweep(peers):
     # Two sweeps of two steps; one process 2.0 s a step, Ulysses 1.0 s, ring 1.0 then 2.0 (a loaded sweep).
     res = {"spec": {"steps": 2}, "rows": [
