@@ -12,8 +12,8 @@ The `small` demo (`make demo`: seq 128, micro-batch 8, one process) is trained b
    (log-softmax and NLL), norms, other elementwise (RoPE, SwiGLU, residual adds, the fp32
    gradient accumulation), optimizer (everything under the `optimizer` span: clipping,
    AdamW, the copy back); what no operator accounts for is Python and autograd overhead;
-4. every matmul shape the profiled steps ran, timed alone (best of 10, the same transposes
-   as in the step), so the matmuls' own rate can be set against the ceiling;
+4. every matmul shape the profiled steps ran, timed alone (best of 30 windows, the shapes
+   taking turns, the same transposes as in the step), so the matmuls' own rate can be set against the ceiling;
 5. the ceiling again.
 
     .venv/bin/python benchmarks/bench_step_breakdown.py --json /tmp/breakdown.json
@@ -92,18 +92,20 @@ def breakdown(trainer: Trainer, steps: int) -> tuple[dict, list[float], dict]:
     return dict(per), times, shapes, ops
 
 
-def time_matmul(a_shape, b_shape, repeats: int = 10) -> float:
-    """Best time of one (m, k) @ (k, n) product, s; the second operand a transposed (n, k), as F.linear has it."""
-    a = torch.randn(a_shape)
-    b = torch.randn(b_shape[::-1]).t()
-    torch.mm(a, b)
-    best = float("inf")
+def time_matmuls(shapes, repeats: int = 30) -> dict:
+    """Best time of each (m, k) @ (k, n) product alone, s (the second operand a transposed (n, k), as
+    F.linear has it): 10 ms windows, the shapes taking turns, so that a burst of load from other
+    processes spoils one window of several shapes rather than every window of one."""
+    operands = {s: (torch.randn(s[0]), torch.randn(s[1][::-1]).t()) for s in shapes}
+    best = {s: float("inf") for s in shapes}
     for _ in range(repeats):
-        n, start = 0, time.perf_counter()
-        while time.perf_counter() - start < 0.02:
+        for s, (a, b) in operands.items():
             torch.mm(a, b)
-            n += 1
-        best = min(best, (time.perf_counter() - start) / n)
+            n, start = 0, time.perf_counter()
+            while time.perf_counter() - start < 0.01:
+                torch.mm(a, b)
+                n += 1
+            best[s] = min(best[s], (time.perf_counter() - start) / n)
     return best
 
 
@@ -139,7 +141,7 @@ def main(argv=None) -> None:
     gate.wait()
     per, prof_times, shapes, ops = breakdown(trainer, args.profile_steps)
     gate.wait()
-    mm_alone = {s: time_matmul(*s) for s in shapes}
+    mm_alone = time_matmuls(list(shapes))
     peaks.append(measure_peak(torch.device("cpu"), "fp32", gate))
 
     peak = max(peaks)
@@ -158,7 +160,8 @@ def main(argv=None) -> None:
         f"`ultrascale peak` before / after: {peaks[0]:.4g} / {peaks[1]:.4g} TFLOP/s; {fpt / 1e6:.2f} MFLOP per token.",
         f"Unprofiled: median step {1e3 * med:.1f} ms [quartiles {1e3 * statistics.quantiles(times, n=4)[0]:.1f}-"
         f"{1e3 * statistics.quantiles(times, n=4)[2]:.1f}], best {1e3 * min(times):.1f} ms over {len(times)} steps: "
-        f"**MFU {100 * mfu:.1f}%** of the higher ceiling (best step: {100 * tokens * fpt / min(times) / 1e12 / peak:.1f}%).",
+        f"**MFU {100 * mfu:.1f}%** of the higher ceiling "
+        f"(best step: {100 * tokens * fpt / min(times) / 1e12 / peak:.1f}%).",
         "",
         f"Profiled ({args.profile_steps} steps, median {prof_step:.1f} ms, the profiler's own cost included):",
         "",
@@ -174,7 +177,8 @@ def main(argv=None) -> None:
         f"Matmuls: {mm_flops / 1e9:.2f} GFLOP per step; in the step {per.get('matmul', 0):.1f} ms "
         f"({mm_flops / per.get('matmul', 1) / 1e9:.3f} TFLOP/s), alone {mm_floor:.1f} ms "
         f"({mm_flops / mm_floor / 1e9:.3f} TFLOP/s, {100 * mm_flops / mm_floor / 1e9 / peak:.0f}% of the ceiling). "
-        f"With every other cost at zero but attention, the step would take {mm_floor + per.get('attention', 0):.1f} ms: "
+        f"With every other cost at zero but attention, the step would take "
+        f"{mm_floor + per.get('attention', 0):.1f} ms: "
         f"MFU {100 * tokens * fpt / ((mm_floor + per.get('attention', 0)) / 1e3) / 1e12 / peak:.1f}%.",
         "",
         "| matmul (m, k) @ (k, n) | calls per step | alone (ms) | TFLOP/s alone | of the ceiling |",
