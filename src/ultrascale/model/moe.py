@@ -43,7 +43,7 @@ class Experts(nn.Module):
     experts instead of n small ones: at the sizes a CPU trains, the per-call cost
     of n matmuls, not their FLOPs, is what a loop over experts pays. Where this
     torch has no grouped matmul for the device (before 2.9; on CUDA it needs bf16
-    on recent GPUs), the experts run one after the other.
+    on recent GPUs), or inside a compiled graph, the experts run one after the other.
     """
 
     def __init__(self, n: int, h: int, f: int):
@@ -55,7 +55,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts) -> torch.Tensor:
         """x [sum(counts), h] in expert-major order: the first counts[0] rows go to expert 0, ...
         counts: rows per expert, a list or an integer tensor."""
-        if _grouped_mm is not None and x.device.type == "cpu":
+        # Under torch.compile, the grouped matmul's meta kernel (what the graph is traced with) takes
+        # bf16 only in this torch, although the CPU kernel runs fp32: a traced layer loops.
+        if _grouped_mm is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
             return self._grouped(x, torch.as_tensor(counts, device=x.device))
         return self._one_by_one(x, counts.tolist() if torch.is_tensor(counts) else counts)
 
