@@ -15,9 +15,9 @@ def build_adamw(main: list[torch.Tensor], decay: list[bool], cfg: TrainConfig, o
     fused=True on the CPU and CUDA: one kernel per tensor that reads each element once,
     instead of the per-tensor loop's nine passes (on the `small` model the step costs
     1.9 ms instead of 9.7). Each element's update depends only on that element, so
-    the result is the same bitwise whether the tensors are whole parameters or ZeRO
-    shards of them, cut anywhere (tests/test_trainer.py). It rounds differently from
-    the loop (by an ulp), like any other kernel. `offloaded`: the OffloadedMain that
+    whole parameters and ZeRO shards of them, cut anywhere, get the same update to
+    rounding: a cut moves the kernel's scalar tail, which rounds a few elements an
+    ulp or two apart from its vector body (tests/test_trainer.py). `offloaded`: the OffloadedMain that
     `main` belongs to under --offload, whose AdamW steps on the host (parallel/offload.py).
     """
     groups = [{"params": [p for p, d in zip(main, decay) if d], "weight_decay": cfg.weight_decay},

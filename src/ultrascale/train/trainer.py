@@ -94,8 +94,8 @@ class Trainer:
                             for p, s in zip(self.grads.grad_owners(), owner_shares)]
         self.loss_fn = parallel.loss_function(ctx, cfg)
         # --offload: the main parameters live off the device, and so does the optimizer's step.
-        offloaded = self.main if hasattr(self.main, "offloaded_bytes") else None
-        self.opt = build_adamw(self.main.main, self.main.decay, t, offloaded)
+        self.offloaded = self.main if hasattr(self.main, "offloaded_bytes") else None
+        self.opt = build_adamw(self.main.main, self.main.decay, t, self.offloaded)
         self.meter = ActivationMeter(list(self.model.parameters()) + list(self.model.buffers()))
         self.pipeline = parallel.pipeline_runtime(self.model, ctx, cfg, self.grads, self.loss_fn, self.meter)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
@@ -225,11 +225,11 @@ class Trainer:
             "activations": self.meter.take_peak() if self.cfg.train.measure_activations else None,
             "peak_rss": peak_resident_bytes(),
         }
-        if hasattr(self.main, "offloaded_bytes"):
+        if self.offloaded is not None:
             # Off the device: the optimizer's shard, in host memory or files ("to"), and ZeRO-3's parameter
             # shard, in host memory whatever the optimizer's tier ("params_to").
             zero3 = self.cfg.parallel.zero == 3
-            mem["offloaded"] = {"to": self.main.where, "optim": self.main.offloaded_bytes(),
+            mem["offloaded"] = {"to": self.offloaded.where, "optim": self.offloaded.offloaded_bytes(),
                                 "params": mem["params"] if zero3 else 0, "params_to": "cpu" if zero3 else None}
             mem["optim"] = 0
             mem["params"] -= mem["offloaded"]["params"]

@@ -94,8 +94,8 @@ class PipelineRuntime:
 
     def _send(self, tensor, stage: int, kind: str, micro: int, sends: list) -> None:
         peer = self._peer(stage)
-        if peer is None:
-            self._hand_off(kind, micro, stage, tensor)
+        if peer is None:  # the V's turn: the next stage is on this rank
+            self.mailbox[(kind, micro, stage)] = tensor
             return
         with comm("pp.send"):
             sends.append((dist.isend(tensor, dst=peer, tag=self._tag(micro, stage, kind)), tensor))
@@ -120,9 +120,6 @@ class PipelineRuntime:
         with comm("pp.recv"):
             dist.recv(buf, src=peer, tag=self._tag(micro, stage, kind))
         return buf
-
-    def _hand_off(self, kind: str, micro: int, stage: int, tensor) -> None:
-        self.mailbox[(kind, micro, stage)] = tensor
 
     def run(self, micro_batches) -> float:
         """Forward and backward of every micro-batch (inputs, targets, positions); returns the mean
