@@ -24,8 +24,9 @@ ATTENTION_RTOL = 1e-5  # fp32 against a float64 reference: measured <= 7.5e-7 (d
 
 # -- which tokens a rank holds ----------------------------------------------------
 def expected_positions(seq, rank, cp, variant):
-    """Written from the definition, not from the code: contiguous blocks, or chunks r and 2cp-1-r of 2cp."""
-    if variant == "zigzag":
+    """Written from the definition, not from the code: contiguous blocks (ring, Ulysses), or chunks r
+    and 2cp-1-r of 2cp (zig-zag, all-gather)."""
+    if variant in ("zigzag", "allgather"):
         c = seq // (2 * cp)
         return list(range(rank * c, (rank + 1) * c)) + list(range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c))
     n = seq // cp
@@ -178,7 +179,8 @@ def test_attention_equals_full_causal_attention(world, variant, seq, heads, kv_h
 
 FAULTS = [("ring", "cp-merge-by-average"), ("ring", "cp-no-causal-skip"), ("zigzag", "cp-no-causal-skip"),
           ("zigzag", "cp-zigzag-read-as-contiguous"), ("allgather", "cp-scatter-without-sum"),
-          ("allgather", "cp-merge-by-average"), ("ulysses", "cp-all-to-all-reversed")]
+          ("allgather", "cp-merge-by-average"), ("allgather", "cp-gathered-in-rank-order"),
+          ("ulysses", "cp-all-to-all-reversed")]
 
 
 @pytest.mark.equivalence
@@ -210,13 +212,15 @@ def test_communication_is_what_the_algorithm_prescribes(world, variant):
 
 def test_zigzag_balances_the_causal_work_that_the_ring_does_not():
     p, seq = 4, 32
-    ring = [r["work"] for r in run_distributed(p, _attention_on_ranks, "ring", seq, 8, 4)]
-    zigzag = [r["work"] for r in run_distributed(p, _attention_on_ranks, "zigzag", seq, 8, 4)]
+    ring, zigzag, allgather = ([r["work"] for r in run_distributed(p, _attention_on_ranks, variant, seq, 8, 4)]
+                               for variant in ("ring", "zigzag", "allgather"))
     n, c = seq // p, seq // (2 * p)
     # Score elements computed (a diagonal block counts whole). Ring: rank r attends to its own block
     # and the r before it. Zig-zag: at home three c x c pairs, then 2 c x c at each of the p - 1 steps.
+    # All-gather, on zig-zag shards: chunk r on the r + 1 chunks up to it, chunk 2p-1-r on 2p - r.
     assert ring == [(r + 1) * n * n for r in range(p)]
     assert zigzag == [3 * c * c + 2 * c * c * (p - 1)] * p
+    assert allgather == [((r + 1) + (2 * p - r)) * c * c for r in range(p)] == [(2 * p + 1) * c * c] * p
     assert max(ring) / min(ring) == p and len(set(zigzag)) == 1
 
 
@@ -403,7 +407,7 @@ def test_the_planner_predicts_the_measured_memory(cp, variant, tp, sp, dtype, re
 @pytest.mark.parametrize("parallel,seq_len,kv_heads,message", [
     (ParallelConfig(cp=2, cp_attention="stripe"), 32, 4, "--cp-attention must be allgather, ring, zigzag or ulysses"),
     (ParallelConfig(cp=3), 32, 4, "--seq-len 32 must divide by 3"),
-    (ParallelConfig(cp=3, cp_attention="allgather"), 32, 4, "--seq-len 32 must divide by 3"),
+    (ParallelConfig(cp=3, cp_attention="allgather"), 33, 4, "2 x cp = 6 equal chunks: --seq-len 33 must divide by 6"),
     (ParallelConfig(cp=3, cp_attention="ulysses"), 32, 4, "--seq-len 32 must divide by 3"),
     (ParallelConfig(cp=2, cp_attention="zigzag"), 34, 4, "2 x cp = 4 equal chunks: --seq-len 34 must divide by 4"),
     (ParallelConfig(cp=2, tp=2, sp=True), 34, 4, "must divide by cp x tp = 4"),

@@ -91,8 +91,8 @@ def test_bf16_on_cuda_equals_the_cpu_within_the_bf16_bounds():
 
 # -- context parallelism's block attention on CUDA ----------------------------------------
 def _chunks(variant: str, rank: int, cp: int) -> list[int]:
-    """Written from the definition: chunk r of cp, or chunks r and 2cp-1-r of 2cp (zig-zag)."""
-    return [rank, 2 * cp - 1 - rank] if variant == "zigzag" else [rank]
+    """Written from the definition: chunk r of cp (ring), or chunks r and 2cp-1-r of 2cp (zig-zag, all-gather)."""
+    return [rank, 2 * cp - 1 - rank] if variant in ("zigzag", "allgather") else [rank]
 
 
 def _block_attention(variant, cp, seq=64, heads=8, kv_heads=4, d=64, device="cuda"):
@@ -102,7 +102,7 @@ def _block_attention(variant, cp, seq=64, heads=8, kv_heads=4, d=64, device="cud
 
     g = torch.Generator().manual_seed(7)
     q, k, v, dout = (torch.randn(2, n, seq, d, generator=g) for n in (heads, kv_heads, kv_heads, heads))
-    n_chunks = cp * (2 if variant == "zigzag" else 1)
+    n_chunks = cp * (2 if variant in ("zigzag", "allgather") else 1)
     c = seq // n_chunks
     pos = lambda chunks: torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunks])  # noqa: E731
     got = {name: torch.zeros(2, heads if name in ("out", "dq", "lse") else kv_heads, seq, *(() if name == "lse" else (d,)),
@@ -112,12 +112,13 @@ def _block_attention(variant, cp, seq=64, heads=8, kv_heads=4, d=64, device="cud
         qc = _chunks(variant, rank, cp)
         rq, rdo = (t[:, :, pos(qc)].to(device) for t in (q, dout))
         out, lse = blocks.start(rq)
-        for src in range(cp):  # the key blocks, in the ring's order of arrival
-            kc = _chunks(variant, (rank - src) % cp, cp)
+        # The key blocks: in the ring's order of arrival, or the whole sequence at once (all-gather)
+        sources = ([list(range(n_chunks))] if variant == "allgather" else
+                   [_chunks(variant, (rank - src) % cp, cp) for src in range(cp)])
+        for kc in sources:
             blocks.attend(rq, k[:, :, pos(kc)].to(device), v[:, :, pos(kc)].to(device), qc, kc, out, lse, scale)
         dq = torch.zeros_like(out)
-        for src in range(cp):
-            kc = _chunks(variant, (rank - src) % cp, cp)
+        for kc in sources:
             dk, dv = (torch.zeros(2, kv_heads, len(kc) * c, d, device=device) for _ in range(2))
             blocks.attend_backward(rq, k[:, :, pos(kc)].to(device), v[:, :, pos(kc)].to(device), rdo, out, lse, qc, kc,
                                    dq, dk, dv, scale)

@@ -248,6 +248,9 @@ With **contiguous** shards, rank $r$ computes $r + 1$ of the $cp$ blocks (the ot
 the last rank works about twice as much as the average, and the ring waits for it. **Zig-zag** gives each
 rank two chunks of $2\,cp$, number $r$ and number $2cp - 1 - r$ (one early, one late), so every rank does
 the same work; the counts above are the engine's own tally of score elements computed.
+The engine's all-gather variant takes the same zig-zag shards (as Llama 3's all-gather attention does):
+it gathers the whole sequence's K and V anyway, so the balance costs it nothing. Its ring keeps contiguous
+shards, the naive form that zig-zag improves on.
 '''),
         ]),
         Section("Ulysses: all-to-all over heads", [

@@ -260,8 +260,8 @@ def check_context(cfg: RunConfig, parallel: ParallelConfig) -> None:
             raise ConfigError(f"--cp-attention {variant} with --cp 1: there is no context parallelism to run it; "
                               f"add --cp N (N > 1) or drop --cp-attention")
         return
-    if variant == "zigzag" and s % (2 * cp):
-        raise ConfigError(f"--cp-attention zigzag cuts each sequence into 2 x cp = {2 * cp} equal chunks: "
+    if variant in ("zigzag", "allgather") and s % (2 * cp):  # zig-zag shards (parallel/context/sharding.py)
+        raise ConfigError(f"--cp-attention {variant} cuts each sequence into 2 x cp = {2 * cp} equal chunks: "
                           f"--seq-len {s} must divide by {2 * cp} (or use --cp-attention ring)")
     if s % cp:
         raise ConfigError(f"--cp {cp} cuts each sequence into {cp} equal shards: --seq-len {s} must divide by {cp}")

@@ -134,7 +134,7 @@ def check_layout(lay: Layout, shape) -> None:
                           f"{lay.seq_len} must divide by tp x cp = {lay.tp * lay.cp} (or pass --no-sp)")
     if lay.cp_attention not in CP_ATTENTION:
         raise ConfigError(f"--cp-attention must be one of {', '.join(CP_ATTENTION)}, got {lay.cp_attention!r}")
-    chunks = 2 * lay.cp if lay.cp_attention == "zigzag" else lay.cp
+    chunks = 2 * lay.cp if lay.cp_attention in ("zigzag", "allgather") else lay.cp  # zig-zag shards
     if lay.cp > 1 and lay.seq_len % chunks:
         raise ConfigError(f"--seq-len {lay.seq_len} must divide into {chunks} chunks ({lay.cp_attention} over cp = "
                           f"{lay.cp})")

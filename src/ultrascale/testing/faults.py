@@ -28,6 +28,7 @@ FAULTS = {
     "cp-no-causal-skip": "key chunks after a query chunk attended to in full instead of skipped",
     "cp-zigzag-read-as-contiguous": "the ring takes zig-zag shards for contiguous ones",
     "cp-scatter-without-sum": "all-gather attention: each rank keeps its own block of dK/dV, not the sum over ranks",
+    "cp-gathered-in-rank-order": "all-gather attention: the gathered zig-zag shards read as if in sequence order",
     "cp-all-to-all-reversed": "Ulysses: the all-to-all's pieces concatenated in reverse rank order",
     # Expert parallelism (parallel/expert.py).
     "expert-grads-averaged-over-edp": "expert gradients averaged over edp only (the 1/ep factor forgotten)",
@@ -160,6 +161,8 @@ def _context_parallel(name: str):
             out.copy_(inp.view(dist.get_world_size(group), -1)[dist.get_rank(group)])
 
         return mock.patch.object(comm, "_reduce_scatter", keep_own)
+    if name == "cp-gathered-in-rank-order":
+        return mock.patch.object(comm, "storage_order", lambda cp, layout: list(range(2 * cp)))
     if name == "cp-all-to-all-reversed":
         original = comm.all_to_all
 

@@ -7,7 +7,8 @@ model is left as it is; two things change around it:
   of the sequence, and RoPE is given their global positions (sharding.py);
 - each block's `core_attention` is swapped for one of four variants:
 
-  allgather  all-gather K and V, attend locally; backward reduce-scatters dK, dV  (allgather.py)
+  allgather  all-gather K and V, attend locally (zig-zag shards: balanced);
+             backward reduce-scatters dK, dV                                     (allgather.py)
   ring       K/V blocks passed around the ring, partial results merged by their
              log-sum-exp; a second ring in backward                                 (ring.py)
   zigzag     the same ring over head-and-tail chunks: balanced causal work       (ring.py)
@@ -45,7 +46,7 @@ class ContextParallelAttention(nn.Module):
         if self.variant == "ulysses":
             return ulysses_attention(q, k, v, self.cpg)
         if self.variant == "allgather":
-            return allgather_attention(q, k, v, self.cpg)[0]
+            return allgather_attention(q, k, v, self.cpg, LAYOUT[self.variant])[0]
         return ring_attention(q, k, v, self.cpg, LAYOUT[self.variant])[0]
 
     def extra_repr(self) -> str:

@@ -2,12 +2,19 @@
 
 The simplest context parallelism (Llama 3's choice for long-context training):
 one all-gather of K and V before attention, after which a rank attends its
-contiguous block of queries to all earlier keys in one place (the pairs of
-blocks.chunk_pairs: the blocks before its own in full, its own under the
-diagonal mask, the later ones not at all). Backward reduce-scatters the K/V
-gradients back to their owners. It keeps the gathered K and V for backward:
-their memory is that of the whole sequence (cheap with GQA: KV ≪ H), and
-with contiguous shards the work is as unbalanced as the ring's.
+queries to all earlier keys in one place (the pairs of blocks.chunk_pairs: the
+chunks before a query chunk in full, its own under the diagonal mask, the later
+ones not at all). Backward reduce-scatters the K/V gradients back to their
+owners. It keeps the gathered K and V for backward: their memory is that of the
+whole sequence (cheap with GQA: KV ≪ H).
+
+Its shards are zig-zag (sharding.py), as in Llama 3 and the playbook's
+all-gather form of zig-zag attention: with contiguous shards the last rank's
+queries would see the whole sequence and the first rank's only their own block
+(cp : 1 in work), and the step waits for the last. Zig-zag costs nothing here:
+the gathered chunks are put back in sequence order, so each of a rank's two
+query chunks attends to one run of earlier keys in one kernel call, and to
+its own chunk in one under the diagonal mask.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 
 from ultrascale.parallel.context import blocks
 from ultrascale.parallel.context.comm import ContextGroup, GatherKV
+from ultrascale.parallel.context.sharding import chunk_count, chunks_of
 
 
 class LocalAttention(torch.autograd.Function):
@@ -40,7 +48,9 @@ class LocalAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def allgather_attention(q, k, v, cpg: ContextGroup):
-    """(O, lse) of this rank's contiguous block of queries over the whole sequence."""
-    kv = GatherKV.apply(torch.stack((k, v)), cpg)
-    return LocalAttention.apply(q, kv[0], kv[1], [cpg.index], list(range(cpg.size)))
+def allgather_attention(q, k, v, cpg: ContextGroup, layout: str = "zigzag"):
+    """(O, lse) of this rank's queries over the whole sequence; q [b, H, n, d], k, v [b, KV, n, d]
+    hold the rank's shard (`layout`: zigzag or contiguous)."""
+    kv = GatherKV.apply(torch.stack((k, v)), cpg, layout)  # [2, b, KV, s, d] in sequence order
+    chunks = chunk_count(cpg.size, layout)
+    return LocalAttention.apply(q, kv[0], kv[1], chunks_of(cpg.index, cpg.size, layout), list(range(chunks)))

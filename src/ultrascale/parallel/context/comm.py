@@ -3,7 +3,8 @@
 - ring exchange (ring, zigzag): send a block to the next rank of the cp group and
   receive the previous rank's, non-blocking, so attention on the block in hand
   runs while the next one travels;
-- all-gather of K and V (allgather); its backward reduce-scatters their gradients;
+- all-gather of K and V (allgather), put in sequence order; its backward
+  reduce-scatters their gradients;
 - all-to-all (ulysses): a sequence shard of all heads traded for the whole
   sequence of a head shard, and back; its backward is the reverse all-to-all.
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ultrascale.parallel.context.sharding import storage_order
 from ultrascale.spans import comm
 
 COUNTS: collections.Counter = collections.Counter()
@@ -83,30 +85,41 @@ def ring_exchange(t: torch.Tensor, cpg: ContextGroup, tag: int, phase: str) -> _
 
 
 class GatherKV(torch.autograd.Function):
-    """K and V stacked, [2, b, KV, n, d] per rank -> [2, b, KV, cp·n, d], the ranks' blocks in order.
-    Backward: each rank's block of the gradient, summed over the ranks (reduce-scatter)."""
+    """K and V stacked, [2, b, KV, n, d] per rank -> [2, b, KV, cp·n, d], the whole sequence in order:
+    the ranks' shards gathered, then their chunks put in sequence order (zig-zag shards hold two
+    chunks far apart). Backward: the gradient's chunks back in rank order, each rank's shard summed
+    over the ranks (reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, kv, cpg: ContextGroup):
-        ctx.cpg = cpg
-        p = cpg.size
+    def forward(ctx, kv, cpg: ContextGroup, layout: str):
+        p, stored = cpg.size, storage_order(cpg.size, layout)
+        ctx.cpg, ctx.stored = cpg, stored
         gathered = torch.empty((p,) + kv.shape, dtype=kv.dtype, device=kv.device)
         with comm("cp.all_gather"):
             _all_gather(gathered.view(-1), kv.contiguous().view(-1), group=cpg.group)
         _count("forward", "all_gather")
         two, b, h, n, d = kv.shape
-        return gathered.permute(1, 2, 3, 0, 4, 5).reshape(two, b, h, p * n, d)
+        chunks = len(stored)
+        by_chunk = gathered.view(p, two, b, h, chunks // p, n * p // chunks, d).permute(1, 2, 3, 0, 4, 5, 6)
+        by_chunk = by_chunk.reshape(two, b, h, chunks, -1, d)  # the chunks as gathered: rank by rank
+        if stored != sorted(stored):
+            where = torch.tensor([stored.index(c) for c in range(chunks)], device=kv.device)
+            by_chunk = by_chunk.index_select(3, where)
+        return by_chunk.reshape(two, b, h, p * n, d)
 
     @staticmethod
     def backward(ctx, grad):
-        p = ctx.cpg.size
+        p, stored = ctx.cpg.size, ctx.stored
         two, b, h, s, d = grad.shape
-        blocks = grad.reshape(two, b, h, p, s // p, d).permute(3, 0, 1, 2, 4, 5).contiguous()
+        by_chunk = grad.reshape(two, b, h, len(stored), s // len(stored), d)
+        if stored != sorted(stored):
+            by_chunk = by_chunk.index_select(3, torch.tensor(stored, device=grad.device))
+        blocks = by_chunk.reshape(two, b, h, p, s // p, d).permute(3, 0, 1, 2, 4, 5).contiguous()
         mine = torch.empty(blocks.shape[1:], dtype=grad.dtype, device=grad.device)
         with comm("cp.reduce_scatter"):
             _reduce_scatter(mine.view(-1), blocks.view(-1), group=ctx.cpg.group)
         _count("backward", "reduce_scatter")
-        return mine, None
+        return mine, None, None
 
 
 def all_to_all(x, cpg: ContextGroup, scatter_dim: int, gather_dim: int, phase: str):

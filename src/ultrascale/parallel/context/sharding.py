@@ -1,14 +1,18 @@
 """Sequence sharding: which tokens of every sequence a context-parallel rank holds.
 
-contiguous (allgather, ring, ulysses): rank r of cp holds positions [r·s/cp, (r+1)·s/cp).
-zigzag: the sequence is cut into 2·cp equal chunks and rank r holds chunks r and
-        2·cp−1−r, in that order.
+contiguous (ring, ulysses): rank r of cp holds positions [r·s/cp, (r+1)·s/cp).
+zigzag (zigzag, allgather): the sequence is cut into 2·cp equal chunks and rank r
+        holds chunks r and 2·cp−1−r, in that order.
 
 Why zig-zag: under the causal mask a query at position i attends to i + 1 keys,
 so with contiguous shards the work grows with the rank (the last rank's queries
 see the whole sequence, the first's only their own block). Pairing an early
 chunk with its mirror image from the end gives every rank the same number of
-(query, key) pairs.
+(query, key) pairs. The all-gather variant shards this way too (as Llama 3's
+all-gather attention does): it attends to the whole gathered sequence, so the
+balance is free. The ring keeps contiguous shards: it is the naive form that
+zig-zag improves on. Ulysses attends whole sequences of a head shard: balanced
+whatever the sharding.
 
 Every token-wise tensor of a micro-batch (inputs, targets) is cut the same way,
 and RoPE is given the global positions of the shard: a rank's tokens are
@@ -23,7 +27,7 @@ from __future__ import annotations
 import torch
 
 # Which sharding each attention variant reads its tokens in.
-LAYOUT = {"allgather": "contiguous", "ring": "contiguous", "ulysses": "contiguous", "zigzag": "zigzag"}
+LAYOUT = {"allgather": "zigzag", "ring": "contiguous", "ulysses": "contiguous", "zigzag": "zigzag"}
 
 
 def chunk_count(cp: int, layout: str) -> int:
@@ -34,6 +38,12 @@ def chunk_count(cp: int, layout: str) -> int:
 def chunks_of(rank: int, cp: int, layout: str) -> list[int]:
     """The global indices of the chunks `rank` holds, in the order it stores them."""
     return [rank, 2 * cp - 1 - rank] if layout == "zigzag" else [rank]
+
+
+def storage_order(cp: int, layout: str) -> list[int]:
+    """The global chunk indices of the ranks' shards laid end to end in rank order (what an
+    all-gather of the shards holds): [0, 1, .., cp-1] contiguous, [0, 2cp-1, 1, 2cp-2, ..] zig-zag."""
+    return [c for r in range(cp) for c in chunks_of(r, cp, layout)]
 
 
 def shard_positions(seq_len: int, rank: int, cp: int, layout: str, device=None) -> torch.Tensor:
