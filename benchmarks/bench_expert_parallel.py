@@ -20,8 +20,11 @@ top-2) against `tiny`, the dense model with the same active FLOPs per token (its
 MLP of width 128 = 2 x 64; the MoE adds only the router's h x E), each with the
 trainer's defaults, in one process and at ep 2 (dp 2; the dense model dp 2); and
 the same MoE with its experts run one after the other (`Experts._one_by_one`, the
-loop the grouped matmul replaced), to measure that choice. Tokens per second
-relative to the dense model: the paired ratio of step times, same tokens per step.
+loop the grouped matmul replaced), to measure that choice; at 2 processes also the
+MoE data-parallel with every expert on every rank (no dispatch, the experts'
+gradients all-reduced with the rest): the gap between it and ep 2 is what the
+dispatch costs. Tokens per second relative to the dense model: the paired ratio
+of step times, same tokens per step.
 
     .venv/bin/python benchmarks/bench_expert_parallel.py --vs-dense --json /tmp/bench_moe_dense.json
 """
@@ -150,7 +153,9 @@ class DenseOrMoE:
         t = TrainConfig(steps=10**6, seq_len=spec["seq_len"], micro_batch=spec["micro_batch"], seed=spec["seed"],
                         progress=False)
         moe = label != "dense"
-        layout = ParallelConfig(dp=world, ep=world if moe else 1)
+        # "no dispatch": the MoE data-parallel with every expert on every rank, no all-to-all: what
+        # the dispatch costs at ep = world is the gap between this runner and "moe".
+        layout = ParallelConfig(dp=world, ep=world if moe and label != NO_DISPATCH else 1)
         cfg = validate(RunConfig(model=get_preset("tiny-moe" if moe else "tiny"), parallel=layout, train=t), world)
         self.trainer = Trainer(cfg, worker_context(cfg.parallel))
         if label == "moe, experts one by one":
@@ -165,13 +170,18 @@ class DenseOrMoE:
         return m["step_time_s"]
 
 
+NO_DISPATCH = "moe, every expert on every rank (no dispatch)"
 DENSE_KEYS = ["dense", "moe", "moe, experts one by one"]
+
+
+def dense_keys(world: int) -> list[str]:
+    return DENSE_KEYS + ([NO_DISPATCH] if world > 1 else [])
 
 
 def dense_worker(spec: dict) -> dict:
     import torch.distributed as dist
 
-    runners = [DenseOrMoE(k, spec, dist.get_world_size()) for k in DENSE_KEYS]
+    runners = [DenseOrMoE(k, spec, dist.get_world_size()) for k in dense_keys(dist.get_world_size())]
     times = common.interleave(runners, spec["warmup"], spec["repeats"], spec["steps"], dist.barrier)
     out = {"times": times, "losses": {r.label: r.losses for r in runners}}
     del runners
@@ -190,7 +200,7 @@ def bench_vs_dense(world: int, spec: dict, timeout: float) -> list[dict]:
     return [{"world": world, "runner": k, **common.summary(times[k]), "step_times_s": times[k],
              "tokens_per_s": tokens / common.summary(times[k])["median_s"],
              "tokens_per_s_vs_dense": 1 / common.paired_ratio(rounds, k, "dense"),
-             "tokens_per_s_vs_grouped": 1 / common.paired_ratio(rounds, k, "moe")} for k in DENSE_KEYS]
+             "tokens_per_s_vs_grouped": 1 / common.paired_ratio(rounds, k, "moe")} for k in dense_keys(world)]
 
 
 def main_vs_dense(args, machine, command) -> None:

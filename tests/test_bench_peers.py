@@ -84,6 +84,52 @@ def test_context_parallel_rows_pair_by_sweep(peers):
     assert rows["ulysses", "one process"].paired == pytest.approx(2.0)
 
 
+def test_mfu_reads_as_a_speed_against_the_ceiling_measured_in_the_same_run(peers):
+    # 1,000 tokens a step of 1 MFLOP each = 1 GFLOP; the higher ceiling 0.2 TFLOP/s: 5 ms at the ceiling.
+    # Steps of 10 and 20 ms: rounds 0.5 and 0.25, median 0.375 (the MFU of the median round).
+    res = {"args": {"steps": 1}, "results": [{
+        "loss_max_rel_diff_ours_vs_hf": 0.0, "peaks_tflops": [0.1, 0.2], "flops_per_token": 1e6, "rows": [
+            {"shape": "small", "runner": "transformers 5", "step_times_s": [0.01, 0.02]},
+            {"shape": "small", "runner": "ultrascale", "step_times_s": [0.01, 0.02], "tokens_per_step": 1000}]}]}
+    _, mfu = peers.rows_hf(res)
+    assert (mfu.ours, mfu.goal, mfu.loss_diff) == ("trainer, defaults: MFU", 0.80, None)
+    assert mfu.peer_s == pytest.approx(0.005) and mfu.paired == pytest.approx(0.375)
+    assert mfu.rounds == pytest.approx([0.5, 0.25])
+
+
+def test_balance_rows_set_the_slowest_ranks_attention_against_the_fastest(peers):
+    res = {"spec": {"steps": 1}, "rows": [
+        {"cp": 1, "variant": "(one process)", "step_times_s": [2.0], "losses": [5.0]},
+        {"cp": 2, "variant": "zigzag", "step_times_s": [1.0], "losses": [5.0], "attention_s": [0.65, 0.5]},
+        {"cp": 2, "variant": "allgather", "step_times_s": [1.0], "losses": [5.0], "attention_s": [0.4, 0.4]},
+        {"cp": 2, "variant": "ring", "step_times_s": [1.5], "losses": [5.0], "attention_s": [0.3, 0.9]},
+    ]}
+    rows = {r.ours: r for r in peers.rows_cp(res)}
+    zigzag, allgather = rows["zigzag: slowest rank's attention"], rows["allgather: slowest rank's attention"]
+    assert zigzag.paired == pytest.approx(0.5 / 0.65) and zigzag.goal == pytest.approx(1 / 1.2)
+    assert peers.verdict(zigzag) == "≥ 0.83x: missed"  # 1.3x between ranks, the goal is 1.2x
+    assert allgather.paired == pytest.approx(1.0) and allgather.goal is None
+    assert "ring: slowest rank's attention" not in rows  # the ring is unbalanced by design: no row
+
+
+def test_experts_without_dispatch_and_the_course_rows(peers):
+    ep = {"spec": {"steps": 1}, "rows": EP_JSON["rows"] + [
+        {"world": 2, "runner": "dense", "step_times_s": [0.02, 0.02]},
+        {"world": 2, "runner": "moe", "step_times_s": [0.04, 0.04]},
+        {"world": 2, "runner": "moe, every expert on every rank (no dispatch)", "step_times_s": [0.025, 0.025]}]}
+    rows = {(r.technique, r.ours): r for r in peers.rows_ep(ep)}
+    assert rows["experts, ep 2", "tiny-moe"].paired == pytest.approx(0.5)
+    no_dispatch = rows["experts, dp 2", "tiny-moe, no dispatch (experts replicated)"]
+    assert no_dispatch.paired == pytest.approx(0.8) and no_dispatch.goal is None
+    nb = {"rows": [{"notebook": "1_a.ipynb", "max_s": 4.0, "runs": [4.0]},
+                   {"notebook": "12_b.ipynb", "max_s": 12.5, "runs": [12.5]}]}
+    (course,) = peers.rows_nb(nb)
+    assert (course.technique, course.ours, course.ranks) == ("the course (2 notebooks)", "slowest Run All: 12_b", "-")
+    assert course.paired == pytest.approx(1.6) and peers.verdict(course) == "≥ 1.00x: met"
+    assert peers.verdict(peers.rows_nb({"rows": [{"notebook": "9_c.ipynb", "max_s": 25.0, "runs": [25.0]}]})[0]) \
+        == "≥ 1.00x: missed"
+
+
 def test_table_rows_and_verdicts(peers):
     # Rounds 1.0 .. 1.4: inclusive quartiles 1.1 and 1.3.
     met = peers.Row("tensor parallel", "TP", "DTensor TP", 2, 0.5, 0.6, 1.2, 1.19, [1.4, 1.0, 1.2, 1.1, 1.3], 3e-6,
