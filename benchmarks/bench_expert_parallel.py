@@ -27,6 +27,14 @@ dispatch costs. Tokens per second relative to the dense model: the paired ratio
 of step times, same tokens per step.
 
     .venv/bin/python benchmarks/bench_expert_parallel.py --vs-dense --json /tmp/bench_moe_dense.json
+
+--waits: where the dispatch's time goes at ep 2. Every all-to-all of the dispatch is
+timed on both ranks (called, returned; one monotonic clock): per call of a step,
+how long the first rank to call it waited for the second, and how long the
+collective took once both had; then the same steps with each all-to-all launched
+and polled for completion instead of blocking in wait(), in rounds with blocking.
+
+    .venv/bin/python benchmarks/bench_expert_parallel.py --waits --repeats 10 --steps 2 --json /tmp/waits.json
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import dataclasses
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -231,6 +240,113 @@ def main_vs_dense(args, machine, command) -> None:
             json.dump({"command": command, "machine": machine, "spec": spec, "rows": rows}, f, indent=1)
 
 
+# -- --waits: where the dispatch's time goes at ep 2 ---------------------------------
+def waits_worker(spec: dict) -> dict:
+    """tiny-moe at ep = world with the trainer's defaults; every all-to-all of parallel/expert.py
+    timed on this rank: when it was called and when it returned (time.monotonic: one clock for the
+    processes of this machine)."""
+    import torch.distributed as dist
+
+    from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, validate
+    from ultrascale.model import get_preset
+    from ultrascale.parallel import expert
+    from ultrascale.testing.harness import worker_context
+    from ultrascale.train.trainer import Trainer
+
+    calls, polling = [], [False]  # calls: (called, returned) of the blocking steps
+
+    class Timed:
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        def all_to_all_single(self, *args, **kwargs):
+            called = time.monotonic()
+            if polling[0]:  # launch, then poll for completion instead of sleeping in wait()
+                work = dist.all_to_all_single(*args, **kwargs, async_op=True)
+                while not work.is_completed():
+                    os.sched_yield()
+                work.wait()
+            else:
+                dist.all_to_all_single(*args, **kwargs)
+                calls.append((called, time.monotonic()))
+
+    world = dist.get_world_size()
+    t = TrainConfig(steps=10**6, seq_len=spec["seq_len"], micro_batch=spec["micro_batch"], seed=spec["seed"],
+                    progress=False)
+    cfg = validate(RunConfig(model=get_preset("tiny-moe"), parallel=ParallelConfig(dp=world, ep=world), train=t),
+                   world)
+    trainer = Trainer(cfg, worker_context(cfg.parallel))
+    expert.dist = Timed()
+    try:
+        for _ in range(spec["warmup"]):
+            trainer.train_step()
+        dist.barrier()
+        calls.clear()
+        steps = [trainer.train_step()["step_time_s"] for _ in range(spec["repeats"] * spec["steps"])]
+        timed = list(calls)  # the rounds below are timed step by step only
+        # The same steps with each all-to-all polled: rounds of blocking and polling in turn.
+        polled, blocking = [], []
+        for _ in range(spec["repeats"]):
+            for poll, times in ((True, polled), (False, blocking)):
+                polling[0] = poll
+                dist.barrier()
+                times += [trainer.train_step()["step_time_s"] for _ in range(spec["steps"])]
+    finally:
+        expert.dist = dist
+    return {"calls": timed, "steps": steps, "polled": polled, "blocking": blocking}
+
+
+def main_waits(args, machine, command) -> None:
+    """Per all-to-all of a step (in call order): how long the earlier rank waited for the later one
+    to call it, and how long it took once both had (the later call to the first return)."""
+    from ultrascale.testing.harness import run_distributed, shutdown_pools
+
+    spec = {k: getattr(args, k) for k in ("seq_len", "micro_batch", "warmup", "repeats", "steps", "seed")}
+    try:
+        per_rank = run_distributed(2, waits_worker, spec, timeout=args.timeout)
+    finally:
+        shutdown_pools()
+    n_steps = len(per_rank[0]["steps"])
+    per_step = len(per_rank[0]["calls"]) // n_steps
+    rows = []
+    for j in range(per_step):
+        both = [(a, b) for a, b in zip(per_rank[0]["calls"][j::per_step], per_rank[1]["calls"][j::per_step])]
+        wait = [abs(a[0] - b[0]) for a, b in both]
+        done = [min(a[1], b[1]) - max(a[0], b[0]) for a, b in both]
+        inside = [(a[1] - a[0] + b[1] - b[0]) / 2 for a, b in both]
+        rows.append({"call": j, "wait_ms": 1e3 * statistics.median(wait), "collective_ms": 1e3 * statistics.median(done),
+                     "inside_ms": 1e3 * statistics.median(inside)})
+    def slowest(key):
+        return [max(a, b) for a, b in zip(per_rank[0][key], per_rank[1][key])]
+
+    step = statistics.median(slowest("steps"))
+    polled, blocking = slowest("polled"), slowest("blocking")
+    n = spec["steps"]
+    paired = statistics.median(statistics.fmean(blocking[i:i + n]) / statistics.fmean(polled[i:i + n])
+                               for i in range(0, len(polled), n))
+    machine["loadavg_end"] = os.getloadavg()
+    lines = [f"Command: `{command}`", "", common.machine_line(machine),
+             f"`tiny-moe` at ep 2 (dp 2), the trainer's defaults, per rank {args.micro_batch} x {args.seq_len} tokens; "
+             f"{n_steps} steps after {args.warmup} warm-up; {per_step} all-to-alls a step; medians over the steps. "
+             f"Step {1e3 * step:.1f} ms.", "",
+             "| call | waiting for the other rank (ms) | the collective once both called (ms) | "
+             "inside the call, mean of the ranks (ms) |", "|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['call']} | {r['wait_ms']:.2f} | {r['collective_ms']:.2f} | {r['inside_ms']:.2f} |")
+    lines.append(f"| all | {sum(r['wait_ms'] for r in rows):.2f} | {sum(r['collective_ms'] for r in rows):.2f} | "
+                 f"{sum(r['inside_ms'] for r in rows):.2f} |")
+    lines += ["", f"Each all-to-all launched and then polled (`is_completed()` with `os.sched_yield()`) instead of "
+              f"blocking in `wait()`, {args.repeats} rounds of {n} steps in turn with blocking: step "
+              f"{1e3 * statistics.median(polled):.1f} ms polled, {1e3 * statistics.median(blocking):.1f} ms "
+              f"blocking; blocking over polled, paired by round: {paired:.2f}x."]
+    print("\n" + "\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command, "machine": machine, "spec": spec, "rows": rows, "step_s": step,
+                       "polled_s": polled, "blocking_s": blocking, "blocking_over_polled": paired,
+                       "per_rank": per_rank}, f, indent=1)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ep", type=int, nargs="+", default=[2, 4])
@@ -249,7 +365,17 @@ def main(argv=None) -> None:
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--vs-dense", action="store_true", help="tiny-moe against the dense model of its active FLOPs "
                    "(1 process and ep 2; --seq-len and --micro-batch default to the trainer's 64 and 8)")
+    p.add_argument("--waits", action="store_true", help="time each all-to-all of tiny-moe at ep 2 on both ranks: "
+                   "the wait for the other rank, and the collective itself")
     args = p.parse_args(argv)
+    if args.waits:
+        from ultrascale.config import TrainConfig
+
+        args.seq_len = args.seq_len or TrainConfig.seq_len
+        args.micro_batch = args.micro_batch or TrainConfig.micro_batch
+        machine, command = common.machine_info(), common.command_line()
+        print(f"{machine['cpu']} | {machine['cores']} cores | torch {machine['torch']}\n{command}", flush=True)
+        return main_waits(args, machine, command)
     if args.vs_dense:
         from ultrascale.config import TrainConfig
 
