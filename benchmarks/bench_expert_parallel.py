@@ -368,22 +368,14 @@ def main(argv=None) -> None:
     p.add_argument("--waits", action="store_true", help="time each all-to-all of tiny-moe at ep 2 on both ranks: "
                    "the wait for the other rank, and the collective itself")
     args = p.parse_args(argv)
-    if args.waits:
+    if args.waits or args.vs_dense:  # the trainer's own model shapes and batch
         from ultrascale.config import TrainConfig
 
         args.seq_len = args.seq_len or TrainConfig.seq_len
         args.micro_batch = args.micro_batch or TrainConfig.micro_batch
         machine, command = common.machine_info(), common.command_line()
         print(f"{machine['cpu']} | {machine['cores']} cores | torch {machine['torch']}\n{command}", flush=True)
-        return main_waits(args, machine, command)
-    if args.vs_dense:
-        from ultrascale.config import TrainConfig
-
-        args.seq_len = args.seq_len or TrainConfig.seq_len
-        args.micro_batch = args.micro_batch or TrainConfig.micro_batch
-        machine, command = common.machine_info(), common.command_line()
-        print(f"{machine['cpu']} | {machine['cores']} cores | torch {machine['torch']}\n{command}", flush=True)
-        return main_vs_dense(args, machine, command)
+        return (main_waits if args.waits else main_vs_dense)(args, machine, command)
 
     from ultrascale.model.config import ModelConfig, count_params
     from ultrascale.testing.harness import shutdown_pools
