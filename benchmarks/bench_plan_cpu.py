@@ -10,7 +10,8 @@ process with one torch thread, so a 2-core machine is a "node" of 2 devices.
   time = bytes / bandwidth + 2 x latency (a ring of 2: one step out, one back) gives both.
 
 Then the model `small` (4 layers, hidden 256) trains in each layout of LAYOUTS (the benchmarks'
-layouts: one process, dp 2 with and without ZeRO-1, tp 2 + SP, pp 2 1F1B, cp 2 ring) for `--warmup`
+layouts: one process, dp 2 with and without ZeRO-1, tp 2 + SP, pp 2 1F1B, cp 2 in each attention
+variant) for `--warmup`
 untimed and `--steps` timed steps; a layout's time is the median over steps of the slowest rank's
 `step_time_s` (train/trainer.py).
 
@@ -62,7 +63,14 @@ LAYOUTS = [
     ("tp 2 + sp", 2, {"tp": 2, "sp": True}, 4, 2),
     ("pp 2 1f1b m=4", 2, {"pp": 2, "pp_schedule": "1f1b"}, 2, 4),
     ("cp 2 ring", 2, {"cp": 2, "cp_attention": "ring"}, 4, 2),
+    ("cp 2 zigzag", 2, {"cp": 2, "cp_attention": "zigzag"}, 4, 2),
+    ("cp 2 allgather", 2, {"cp": 2, "cp_attention": "allgather"}, 4, 2),
+    ("cp 2 ulysses", 2, {"cp": 2, "cp_attention": "ulysses"}, 4, 2),
 ]
+# Context parallelism where attention is most of the work (seq 2048: 12·h·s is 1.3x the blocks' 6N per
+# token): the causal balance of the variants shows (the ring's last rank does 1.5x the mean at cp 2).
+LONG = 2048
+LAYOUTS += [(f"cp 2 {v}, seq {LONG}", 2, {"cp": 2, "cp_attention": v}, 1, 1, LONG) for v in ("ring", "zigzag")]
 FITTED = ("mfu", "layer_overhead_s", "microbatch_overhead_s", "collective_step_s")
 
 
@@ -131,10 +139,11 @@ def cluster_of(m: dict) -> Cluster:
 
 
 # -- the runs ------------------------------------------------------------------------------------
-def run_config(parallel: dict, micro_batch: int, grad_accum: int, steps: int) -> RunConfig:
-    t = TrainConfig(steps=steps, seq_len=SEQ, micro_batch=micro_batch, grad_accum=grad_accum, seed=0,
+def run_config(parallel: dict, micro_batch: int, grad_accum: int, steps: int, seq_len: int = SEQ) -> RunConfig:
+    t = TrainConfig(steps=steps, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, seed=0,
                     progress=False, lr=1e-3, warmup_steps=1, peak="1")  # --peak given: no measurement per run
-    return RunConfig(model=get_preset(MODEL), parallel=ParallelConfig(**parallel), train=t)
+    model = get_preset(MODEL, max_seq_len=max(get_preset(MODEL).max_seq_len, seq_len))  # room for RoPE
+    return RunConfig(model=model, parallel=ParallelConfig(**parallel), train=t)
 
 
 def _steps_on_rank(cfg: RunConfig) -> list[float]:
@@ -210,8 +219,8 @@ def main() -> int:
     print(f"  per rank (1 thread): fp32 peak {machine['peak_flops_fp32'] / 1e9:.1f} GFLOP/s, memory "
           f"{machine['memory_bandwidth'] / 1e9:.1f} GB/s; gloo all-reduce {machine['link_bandwidth'] / 1e9:.2f} GB/s, "
           f"latency {machine['link_latency_s'] * 1e6:.0f} us")
-    for label, world, parallel, mb, ga in ([] if args.refit else LAYOUTS):
-        cfg = check_run(run_config(parallel, mb, ga, args.warmup + args.steps), world)  # dp resolved
+    for label, world, parallel, mb, ga, *seq in ([] if args.refit else LAYOUTS):
+        cfg = check_run(run_config(parallel, mb, ga, args.warmup + args.steps, *seq), world)  # dp resolved
         times = measure_layout(world, cfg, args.warmup)
         runs.append({"label": label, "world": world, "layout": dataclasses.asdict(layout_of(cfg)),
                      "measured_s": statistics.median(times), "steps_s": times})

@@ -48,7 +48,8 @@ class Framework:
     # -- more implementation facts (activations.ActivationSpec) ----------------
     attention: str = "flash"  # flash | eager (keeps the s x s softmax)
     # Context parallelism's block attention (ring, zig-zag, all-gather): "eager" where each block's
-    # scores are built and softmaxed in memory, then merged (our engine today: parallel/context).
+    # scores are built and softmaxed in memory, then merged; "flash" where a fused kernel returns each
+    # block's log-sum-exp (our engine on the CPU: parallel/context/blocks.py).
     cp_block_attention: str = "flash"
     dropout: bool = False  # 1-byte dropout masks after attention and MLP
     fused_swiglu: bool = False  # SwiGLU keeps 3f per token, not 4f
@@ -67,8 +68,8 @@ FRAMEWORKS = {
         # Fitted on this engine's runs on a CPU (--cluster cpu; benchmarks/bench_plan_cpu.py writes
         # plan/data/cpu_runs.json): a collective's ring step costs milliseconds on gloo, as its
         # all-gather and reduce-scatter run. Not yet measured on a GPU.
-        mfu=0.57, layer_overhead_s=0.0, microbatch_overhead_s=0.00273,
-        collective_step_s=0.00422, zero3_with_ep=False, cp_block_attention="eager",
+        mfu=0.734, layer_overhead_s=0.00297, microbatch_overhead_s=0.0,
+        collective_step_s=0.00242, zero3_with_ep=False,
         help="our engine: eager kernels; memory exact on CPU, time fitted on its CPU runs"),
     "playbook": Framework(
         "playbook", kernels="fused", sp_keeps_gathered_input=False, partition="compute",

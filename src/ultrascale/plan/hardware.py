@@ -118,7 +118,7 @@ HOSTS = {
     # One rank on a CPU: host and device are one memory, so a "transfer" is a copy at the
     # elementwise rate measured for cpu-core below. The disk figure is an assumption, not a
     # measurement: a virtio disk's sequential rate (a small run's states stay in the page cache).
-    "cpu-core": Host("the same memory (a CPU rank)", 6.07e9, 6.07e9, 1.0e9),
+    "cpu-core": Host("the same memory (a CPU rank)", 8.93e9, 8.93e9, 1.0e9),
 }
 
 GPUS = {
@@ -133,11 +133,11 @@ GPUS = {
     # One rank of this engine on a CPU: one process, one thread, one core. Measured on a 2-core AMD
     # EPYC with both ranks busy (benchmarks/bench_plan_cpu.py, plan/data/cpu_runs.json): the fp32
     # matmul ceiling, and the rate of one elementwise pass (what the memory-bound terms pay).
-    "cpu-core": GPU("cpu-core", 12 * GIB, {"bf16": 82.0e9, "fp32": 82.0e9}, 6.07e9),
+    "cpu-core": GPU("cpu-core", 12 * GIB, {"bf16": 101.7e9, "fp32": 101.7e9}, 8.93e9),
 }
 
 # gloo between processes of one machine (loopback TCP), fitted on its all-reduce times (same file).
-GLOO_LOOPBACK = Link("gloo over loopback TCP", 1.20e9, 233e-6)
+GLOO_LOOPBACK = Link("gloo over loopback TCP", 1.27e9, 250e-6)
 
 
 def _dgx(gpu: str, intra: Link, inter: Link) -> Cluster:

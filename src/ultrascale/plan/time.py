@@ -3,7 +3,8 @@
 Compute. Training FLOPs per token are 6N + 12·L·h·s (the playbook's count: 2N
 forward, 4N backward, plus the attention scores and values); a rank does its
 stage's share (its blocks, the head's matmul on the stage holding it), divided
-by tp·cp. Recomputation adds a forward: full, 2N_blocks + 4·L·h·s per token;
+by tp·cp (context parallelism's ring on contiguous shards adds its last rank's
+extra causal work: _context_parallel). Recomputation adds a forward: full, 2N_blocks + 4·L·h·s per token;
 selective, the attention core's 4·L·h·s. Time = FLOPs / (peak x mfu), mfu being
 the framework's achievable fraction (calibration.py), plus a fixed cost per
 block per micro-batch (kernel launches and the small kernels between matmuls).
@@ -26,8 +27,9 @@ runs beside takes longer): the data-parallel gradient reduction runs beside the
 last micro-batch's backward, and only what exceeds it, plus the last bucket,
 shows; ZeRO-3's gathers and reduce-scatters run beside each micro-batch's
 compute; ring attention's K/V passes run beside the attention blocks. Tensor
-parallel and expert all-to-all collectives sit on the critical path (their
-consumers wait for them) and are counted whole; so are ZeRO-1/2's parameter
+parallel and expert all-to-all collectives, context parallelism's all-gather and
+Ulysses' all-to-alls sit on the critical path (their consumers wait for them)
+and are counted whole; so are ZeRO-1/2's parameter
 all-gather after the optimizer step and the pipeline's sends. The pipeline
 bubble is bubble.py's fraction of the micro-batches' time.
 
@@ -210,15 +212,10 @@ def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
         tp += 2 * ring_time("all_gather" if lay.sp_on else "all_reduce", act_full, lay.tp, tp_link)
         tp_steps += 2 * (1 if lay.sp_on else 2) * (lay.tp - 1)
     t["tp_comm"] = tp
-    t["cp_comm"] = 0.0
+    t["cp_comm"] = t["cp_imbalance"] = 0.0
+    cp_steps = 0
     if lay.cp > 1:
-        # Ring attention: cp - 1 K/V passes forward, twice that backward (K/V, then dK/dV), beside the
-        # attention blocks' compute (12·h·s of the 6·N_block + 12·h·s FLOPs per token and block).
-        cp_link = link_of(gpu, lay, "cp")
-        kv_block = 2 * tokens / lay.cp * shape.kv_dim * b / lay.tp
-        ring = 3 * (lay.cp - 1) * p2p_time(kv_block, cp_link) * n_layers
-        attn_flops = tokens * 12 * shape.hidden * lay.seq_len * n_layers / (lay.tp * lay.cp)
-        t["cp_comm"] = max(0.0, ring - attn_flops / (peak * fw.mfu))
+        t["cp_comm"], t["cp_imbalance"], cp_steps = _context_parallel(shape, lay, gpu, fw, n_layers, tokens, b, peak)
     t["ep_comm"] = 0.0
     if lay.ep > 1:  # dispatch and combine, forward and backward, each an all-to-all of top_k copies
         ep_link = link_of(gpu, lay, "ep")
@@ -226,7 +223,7 @@ def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
     # Synchronization (see the module's docstring): every ring step of a collective on the critical
     # path costs collective_step_s, pipeline_sync_factor times more where a pipeline receive
     # synchronizes the host; and each micro-batch pays node_pair_sync_s per pair of nodes.
-    steps = tp_steps + (n_layers * 4 * (lay.ep - 1) if lay.ep > 1 else 0)
+    steps = tp_steps + cp_steps + (n_layers * 4 * (lay.ep - 1) if lay.ep > 1 else 0)
     factor = fw.pipeline_sync_factor if lay.pp > 1 else 1.0
     nodes = -(-lay.world // gpu.node_size)
     t["sync"] = steps * fw.collective_step_s * factor + gpu.node_pair_sync_s * nodes**2
@@ -235,6 +232,40 @@ def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
         pp_link = link_of(gpu, lay, "pp_next")
         t["pp_comm"] = 2 * lay.chunks * p2p_time(act_full / (lay.tp if lay.sp_on else 1), pp_link)
     return t
+
+
+def _context_parallel(shape, lay, gpu, fw, n_layers, tokens, b, peak) -> tuple[float, float, int]:
+    """(communication that shows, the slowest rank's extra attention, critical-path ring steps) of one
+    micro-batch under context parallelism, by attention variant (parallel/context/).
+
+    ring, zigzag  cp - 1 K/V passes forward, twice that backward (K/V, then dK/dV), beside the
+                  attention blocks' compute: only what exceeds it shows.
+    allgather     an all-gather of K and V forward and a reduce-scatter of their gradients backward,
+                  before and after the attention that needs them: on the critical path.
+    ulysses       all-to-alls of q, k, v in and the output back, forward and backward: on the path.
+    Causal balance: zig-zag and all-gather (zig-zag shards) give every rank the same work, Ulysses
+    whole sequences of a head shard. The ring's contiguous shards give rank r (r + 1/2) of the
+    cp²/2 causal blocks: the last rank (2cp - 1)/cp times the mean, and the step waits for it. The
+    attention FLOPs here are the playbook's 12·h·s, every score of the s x s matrix; a causal kernel
+    computes the half under the diagonal, and that half is what the ranks share unevenly.
+    """
+    cp_link = link_of(gpu, lay, "cp")
+    attention = tokens * 12 * shape.hidden * lay.seq_len * n_layers / (lay.tp * lay.cp)  # FLOPs, balanced
+    attention_s = attention / (peak * fw.mfu)
+    kv = 2 * tokens / lay.cp * shape.kv_dim * b / lay.tp  # this rank's K and V, bytes
+    imbalance = attention_s / 2 * (lay.cp - 1) / lay.cp if lay.cp_attention == "ring" else 0.0
+    if lay.cp_attention in ("ring", "zigzag"):
+        ring = 3 * (lay.cp - 1) * p2p_time(kv, cp_link) * n_layers
+        return max(0.0, ring - attention_s), imbalance, 0
+    if lay.cp_attention == "allgather":
+        gathered = kv * lay.cp  # the whole sequence's K and V
+        comm = (ring_time("all_gather", gathered, lay.cp, cp_link)
+                + ring_time("reduce_scatter", gathered, lay.cp, cp_link)) * n_layers
+        return comm, imbalance, 2 * (lay.cp - 1) * n_layers
+    q_and_out = 2 * tokens / lay.cp * shape.hidden * b / lay.tp  # Ulysses: q and O, plus k and v
+    comm = 2 * (ring_time("all_to_all", q_and_out, lay.cp, cp_link)
+                + ring_time("all_to_all", kv, lay.cp, cp_link)) * n_layers  # forward and backward
+    return comm, imbalance, 8 * (lay.cp - 1) * n_layers
 
 
 def _collectives(kind, nbytes, n, link, bucket_bytes) -> float:
