@@ -262,10 +262,9 @@ def _context_parallel(shape, lay, gpu, fw, n_layers, tokens, b, peak) -> tuple[f
         comm = (ring_time("all_gather", gathered, lay.cp, cp_link)
                 + ring_time("reduce_scatter", gathered, lay.cp, cp_link)) * n_layers
         return comm, imbalance, 2 * (lay.cp - 1) * n_layers
-    q_and_out = 2 * tokens / lay.cp * shape.hidden * b / lay.tp  # Ulysses: q and O, plus k and v
-    comm = 2 * (ring_time("all_to_all", q_and_out, lay.cp, cp_link)
-                + ring_time("all_to_all", kv, lay.cp, cp_link)) * n_layers  # forward and backward
-    return comm, imbalance, 8 * (lay.cp - 1) * n_layers
+    q = tokens / lay.cp * shape.hidden * b / lay.tp  # Ulysses: q and O of this rank, k and v half of kv
+    one_way = 2 * ring_time("all_to_all", q, lay.cp, cp_link) + 2 * ring_time("all_to_all", kv / 2, lay.cp, cp_link)
+    return 2 * one_way * n_layers, imbalance, 8 * (lay.cp - 1) * n_layers  # forward and backward
 
 
 def _collectives(kind, nbytes, n, link, bucket_bytes) -> float:
