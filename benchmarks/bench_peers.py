@@ -187,7 +187,7 @@ def rows_cp(res: dict) -> list[Row]:
     return out
 
 
-BALANCED = {"zigzag": 1 / 1.2, "allgather": None}  # zig-zag shards; the goal is zig-zag's (issue: within 1.2x)
+BALANCED = {"zigzag": 1 / 1.2, "allgather": None}  # zig-zag shards; the goal: zig-zag's ranks within 1.2x
 
 
 def rows_ep(res: dict) -> list[Row]:

@@ -24,8 +24,8 @@ ATTENTION_RTOL = 1e-5  # fp32 against a float64 reference: measured <= 7.5e-7 (d
 
 # -- which tokens a rank holds ----------------------------------------------------
 def expected_positions(seq, rank, cp, variant):
-    """Written from the definition, not from the code: contiguous blocks (ring, Ulysses), or chunks r
-    and 2cp-1-r of 2cp (zig-zag, all-gather)."""
+    """Written from the definition, not from the code: contiguous blocks (ring, Ulysses, the all-gather
+    asked for contiguous shards), or chunks r and 2cp-1-r of 2cp (zig-zag, all-gather)."""
     if variant in ("zigzag", "allgather"):
         c = seq // (2 * cp)
         return list(range(rank * c, (rank + 1) * c)) + list(range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c))
@@ -118,6 +118,8 @@ def _attention_on_ranks(variant, seq, heads, kv_heads, fault=None):
                 out, lse = ulysses_attention(q, k, v, cpg), None
             elif variant == "allgather":
                 out, lse = allgather_attention(q, k, v, cpg)
+            elif variant == "allgather-contiguous":  # the naive form: no reordering of the gathered chunks
+                out, lse = allgather_attention(q, k, v, cpg, "contiguous")
             else:
                 out, lse = ring_attention(q, k, v, cpg, "zigzag" if variant == "zigzag" else "contiguous")
         forward = dict(COUNTS)
@@ -160,6 +162,7 @@ def assert_attention_matches(per_rank, ref):
 ATTENTION = [(w, v, 32 if w != 3 else 24, h, kv) for w, h, kv in ((2, 8, 4), (4, 8, 4), (3, 6, 3)) for v in VARIANTS]
 ATTENTION += [(2, "ring", 32, 4, 4), (4, "zigzag", 32, 8, 1), (2, "allgather", 32, 8, 2)]  # MHA, MQA, GQA 4
 ATTENTION += [(2, "zigzag", 1200, 2, 1)]  # chunks of 300 over 300 + 300 keys: across the CPU kernel's tiles
+ATTENTION += [(w, "allgather-contiguous", 32, 8, 4) for w in (2, 4)]
 
 
 @pytest.mark.equivalence
@@ -172,7 +175,7 @@ def test_attention_equals_full_causal_attention(world, variant, seq, heads, kv_h
     # Kept for backward (the trainer's meter): q, k, v, the output and its fp32 lse, no block's scores.
     # All-gather keeps the whole sequence's K and V; Ulysses a head shard of the whole sequence, the same bytes.
     b, n, d = 2, seq // world, 16
-    kv_len = seq if variant == "allgather" else n
+    kv_len = seq if variant.startswith("allgather") else n
     assert [r["kept"] for r in per_rank] == [4 * (2 * b * heads * n * d + b * heads * n
                                                   + 2 * b * kv_heads * kv_len * d)] * world
 

@@ -33,7 +33,8 @@ class Layout:
     last_stage_layers: int = 0
     recompute: str = "none"
     # Context parallelism's attention (the engine's --cp-attention). The planner's default is the
-    # zig-zag ring: the time model assumes the causal work is balanced over the cp ranks.
+    # zig-zag ring, whose causal work is balanced over the cp ranks (as all-gather's and Ulysses'
+    # are); the ring on contiguous shards pays its last rank's extra work (time.py, cp_imbalance).
     cp_attention: str = "zigzag"
     micro_batch: int = 1  # sequences per micro-batch per data-parallel rank
     grad_accum: int = 1  # micro-batches per optimizer step (the pipeline's m)

@@ -33,7 +33,8 @@ def gantt(lay: dict, breakdown: dict) -> dict:
     shown = min(m, GANTT_MICRO_BATCHES * p)
     if lay["schedule"] == "interleaved":
         shown = max(p, shown - shown % p)
-    per_mb = (breakdown["compute"] + breakdown["recompute"] + breakdown["kernel_overhead"]) / m / v
+    per_mb = (breakdown["compute"] + breakdown["recompute"] + breakdown["kernel_overhead"]
+              + breakdown.get("cp_imbalance", 0.0)) / m / v
     t_f = per_mb / 3  # backward is two thirds of the FLOPs (4 of 6 per parameter)
     split = lay["schedule"] == "zero-bubble"  # backward split into input and weight gradients
     t_b, t_w = (per_mb / 3, per_mb / 3) if split else (2 * per_mb / 3, 0.0)

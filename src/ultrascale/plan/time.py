@@ -243,28 +243,34 @@ def _context_parallel(shape, lay, gpu, fw, n_layers, tokens, b, peak) -> tuple[f
     allgather     an all-gather of K and V forward and a reduce-scatter of their gradients backward,
                   before and after the attention that needs them: on the critical path.
     ulysses       all-to-alls of q, k, v in and the output back, forward and backward: on the path.
+    Recomputation (selective or full) runs the context-parallel attention's forward again, and its
+    communication with it.
     Causal balance: zig-zag and all-gather (zig-zag shards) give every rank the same work, Ulysses
     whole sequences of a head shard. The ring's contiguous shards give rank r (r + 1/2) of the
     cp²/2 causal blocks: the last rank (2cp - 1)/cp times the mean, and the step waits for it. The
-    attention FLOPs here are the playbook's 12·h·s, every score of the s x s matrix; a causal kernel
-    computes the half under the diagonal, and that half is what the ranks share unevenly.
+    attention FLOPs elsewhere are the playbook's 12·h·s, every score of the s x s matrix; a causal
+    kernel computes the half under the diagonal: that half is what the ranks share unevenly, and
+    what the ring's passes run beside.
     """
+    again = lay.recompute != "none"
     cp_link = link_of(gpu, lay, "cp")
-    attention = tokens * 12 * shape.hidden * lay.seq_len * n_layers / (lay.tp * lay.cp)  # FLOPs, balanced
-    attention_s = attention / (peak * fw.mfu)
+    causal = tokens * 6 * shape.hidden * lay.seq_len * n_layers / (lay.tp * lay.cp)  # FLOPs, balanced
+    causal_s = causal / (peak * fw.mfu) * (4 / 3 if again else 1)  # recomputation: the forward's third again
     kv = 2 * tokens / lay.cp * shape.kv_dim * b / lay.tp  # this rank's K and V, bytes
-    imbalance = attention_s / 2 * (lay.cp - 1) / lay.cp if lay.cp_attention == "ring" else 0.0
+    imbalance = causal_s * (lay.cp - 1) / lay.cp if lay.cp_attention == "ring" else 0.0
     if lay.cp_attention in ("ring", "zigzag"):
-        ring = 3 * (lay.cp - 1) * p2p_time(kv, cp_link) * n_layers
-        return max(0.0, ring - attention_s), imbalance, 0
+        ring = (3 + again) * (lay.cp - 1) * p2p_time(kv, cp_link) * n_layers
+        return max(0.0, ring - causal_s), imbalance, 0
     if lay.cp_attention == "allgather":
         gathered = kv * lay.cp  # the whole sequence's K and V
-        comm = (ring_time("all_gather", gathered, lay.cp, cp_link)
+        comm = ((1 + again) * ring_time("all_gather", gathered, lay.cp, cp_link)
                 + ring_time("reduce_scatter", gathered, lay.cp, cp_link)) * n_layers
-        return comm, imbalance, 2 * (lay.cp - 1) * n_layers
-    q = tokens / lay.cp * shape.hidden * b / lay.tp  # Ulysses: q and O of this rank, k and v half of kv
-    one_way = 2 * ring_time("all_to_all", q, lay.cp, cp_link) + 2 * ring_time("all_to_all", kv / 2, lay.cp, cp_link)
-    return 2 * one_way * n_layers, imbalance, 8 * (lay.cp - 1) * n_layers  # forward and backward
+        return comm, imbalance, (2 + again) * (lay.cp - 1) * n_layers
+    if lay.cp_attention == "ulysses":
+        q = tokens / lay.cp * shape.hidden * b / lay.tp  # q and O of this rank; k and v are half of kv
+        one_way = 2 * ring_time("all_to_all", q, lay.cp, cp_link) + 2 * ring_time("all_to_all", kv / 2, lay.cp, cp_link)
+        return (2 + again) * one_way * n_layers, imbalance, 4 * (2 + again) * (lay.cp - 1) * n_layers
+    raise ValueError(f"cp_attention must be ring, zigzag, allgather or ulysses, got {lay.cp_attention!r}")
 
 
 def _collectives(kind, nbytes, n, link, bucket_bytes) -> float:
