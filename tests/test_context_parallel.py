@@ -183,6 +183,7 @@ def test_attention_equals_full_causal_attention(world, variant, seq, heads, kv_h
 FAULTS = [("ring", "cp-merge-by-average"), ("ring", "cp-no-causal-skip"), ("zigzag", "cp-no-causal-skip"),
           ("zigzag", "cp-zigzag-read-as-contiguous"), ("allgather", "cp-scatter-without-sum"),
           ("allgather", "cp-merge-by-average"), ("allgather", "cp-gathered-in-rank-order"),
+          ("allgather-contiguous", "cp-scatter-without-sum"),
           ("ulysses", "cp-all-to-all-reversed")]
 
 
