@@ -13,7 +13,6 @@ checkpoint stays whole.
 
 import json
 import os
-import selectors
 import shutil
 import signal
 import subprocess
@@ -24,7 +23,7 @@ import psutil  # a dev dependency: the workers are found as the launcher's child
 import pytest
 
 from ultrascale.cli import main
-from ultrascale.testing.cli import jsonl_losses, ranks as worker_ranks, ultrascale
+from ultrascale.testing.cli import jsonl_losses, ranks as worker_ranks, read_until, ultrascale
 from ultrascale.testing.compare import FP32
 from ultrascale.train import integrity
 from ultrascale.train.checkpoint import FAULT_ENV, read_full_state
@@ -150,19 +149,15 @@ class PausedSave:
         self.launcher = subprocess.Popen(
             [sys.executable, "-m", "ultrascale", "train", *TINY, *SAVES, "--micro-batch", "2", "--nproc", "2",
              "--save", ck], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        self.workers = []
+        self.workers = {}
 
     def wait_until_paused(self, ranks, limit=240):
-        sel = selectors.DefaultSelector()
-        sel.register(self.launcher.stdout, selectors.EVENT_READ)
-        deadline, paused = time.monotonic() + limit, 0
-        while paused < ranks:
-            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                pytest.fail(f"the save did not pause within {limit} s")
-            line = self.launcher.stdout.readline()
-            if not line:
-                pytest.fail(f"the run ended before its save paused:\n{self.launcher.stderr.read().decode()}")
-            paused += line.startswith(b"save paused at")
+        lines, short = read_until(self.launcher.stdout,
+                                  lambda lines: sum(x.startswith(b"save paused at") for x in lines) >= ranks, limit)
+        if short == "timeout":
+            pytest.fail(f"the save did not pause within {limit} s")
+        if short == "ended":
+            pytest.fail(f"the run ended before its save paused:\n{self.launcher.stderr.read().decode()}")
         self.workers = worker_ranks(psutil.Process(self.launcher.pid).children())
 
     def kill(self, who):

@@ -9,7 +9,6 @@ that names the cause, and that no process is left behind.
 
 import glob
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import time
 import psutil  # a dev dependency: the workers are found as the launcher's children, named after their rank
 import pytest
 
-from ultrascale.testing.cli import ranks
+from ultrascale.testing.cli import ranks, read_until
 
 # The launcher's supervision reads /proc and uses Linux's parent-death signal.
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and /proc: Linux")
@@ -47,17 +46,12 @@ class Run:
 
     def wait_until_training(self, limit=240):
         """Block until the logging rank printed step 1; then map rank -> worker process."""
-        sel = selectors.DefaultSelector()
-        sel.register(self.launcher.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + limit
-        line = b""
-        while not line.startswith(b"step"):
-            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                pytest.fail(f"no step line within {limit} s")
-            line = self.launcher.stdout.readline()
-            if not line:
-                out, err = self.finish()
-                pytest.fail(f"the run ended before its first step:\n{err}")
+        _, short = read_until(self.launcher.stdout, lambda lines: any(x.startswith(b"step") for x in lines), limit)
+        if short == "timeout":
+            pytest.fail(f"no step line within {limit} s")
+        if short == "ended":
+            out, err = self.finish()
+            pytest.fail(f"the run ended before its first step:\n{err}")
         self.workers = ranks(psutil.Process(self.launcher.pid).children())
         assert sorted(self.workers) == list(range(self.nproc))
 

@@ -1,11 +1,15 @@
 """The harness itself: a failure or a hang on one rank fails the caller, with the traceback."""
 
+import selectors
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from ultrascale.testing.cli import read_until
 from ultrascale.testing.harness import DistributedError, WorkerPool
 
 
@@ -68,3 +72,35 @@ def test_an_unpicklable_result_or_a_dead_rank_fails_fast():
         assert time.monotonic() - start < 30
     finally:
         pool.close(kill=True)
+
+
+def _two_lines_in_one_write():
+    # Both lines reach the pipe in one write, as two ranks' lines do when they print together.
+    return subprocess.Popen([sys.executable, "-c", "import os, time; os.write(1, b'paused 0\\npaused 1\\n'); "
+                             "time.sleep(30)"], stdout=subprocess.PIPE)
+
+
+def test_read_until_sees_two_lines_that_arrive_in_one_write():
+    child = _two_lines_in_one_write()
+    try:
+        lines, short = read_until(child.stdout, lambda lines: len(lines) >= 2, limit=20)
+        assert short is None and lines == [b"paused 0", b"paused 1"]
+    finally:
+        child.kill()
+        child.wait()
+    # The wrong form, select() on the pipe and the buffered readline(): the first readline takes
+    # both lines off the pipe, so the select() waiting for the second times out.
+    child = _two_lines_in_one_write()
+    try:
+        sel, got = selectors.DefaultSelector(), []
+        sel.register(child.stdout, selectors.EVENT_READ)
+        while len(got) < 2 and sel.select(timeout=2):
+            got.append(child.stdout.readline())
+        assert got == [b"paused 0\n"]
+    finally:
+        child.kill()
+        child.wait()
+    # A pipe that closes is "ended", with the lines before it.
+    done = subprocess.Popen([sys.executable, "-c", "print('only')"], stdout=subprocess.PIPE)
+    assert read_until(done.stdout, lambda lines: len(lines) >= 2, limit=20) == ([b"only"], "ended")
+    done.wait()

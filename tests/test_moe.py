@@ -58,7 +58,9 @@ def _experts_against_each_by_hand(experts):
     want_y.backward(g)
     want = [want_y.detach()] + [t.grad for t in hand]
     empty = [float(p.grad[1].abs().sum()) for p in (e.gate, e.up, e.down)]  # expert 1: no rows
-    return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)), empty
+    # A NaN anywhere counts as the largest error (Python's max would pass over it).
+    errors = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)]
+    return max(math.inf if math.isnan(err) else err for err in errors), empty
 
 
 def test_grouped_experts_equal_each_expert_on_its_rows(monkeypatch):
@@ -69,9 +71,10 @@ def test_grouped_experts_equal_each_expert_on_its_rows(monkeypatch):
         assert error <= 1e-6 and empty == [0.0, 0.0, 0.0]  # an expert without rows: a zero gradient, not None
     if moe._grouped_mm is None:  # this torch has no grouped matmul: the experts run one by one, checked above
         return
-    # A wrong grouping fails: each expert's rows taken to start where they should end.
+    # A wrong grouping fails: each expert's group ends one row early, so its last row goes to the
+    # next expert (the last group still ends at the last row: every output row is written).
     grouped = moe._grouped_mm
-    monkeypatch.setattr(moe, "_grouped_mm", lambda x, w, offs: grouped(x, w, offs=torch.cat([offs[:1] * 0, offs[:-1]])))
+    monkeypatch.setattr(moe, "_grouped_mm", lambda x, w, offs: grouped(x, w, offs=offs - (offs < offs[-1]).int()))
     assert _experts_against_each_by_hand(lambda e, x, counts: e(x, counts))[0] > 1e-2
 
 
