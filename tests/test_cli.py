@@ -8,6 +8,7 @@ import pytest
 from ultrascale.distributed.launch import launch_local
 from ultrascale.testing.cli import jsonl_losses as losses
 from ultrascale.testing.cli import ultrascale
+from ultrascale.testing.compare import worst
 
 TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--no-progress"]
 
@@ -134,7 +135,7 @@ def test_nproc_launches_data_parallel_processes_that_match_one_process(tmp_path)
     r = ultrascale("train", *common, "--nproc", "4", "--dp", "4", "--zero", "2", "--micro-batch", "2",
                    "--grad-accum", "2", "--log-jsonl", str(four))
     assert r.returncode == 0, r.stderr
-    assert max(abs(a - b) / b for a, b in zip(losses(four), losses(one))) < 1e-4
+    assert worst(abs(a - b) / b for a, b in zip(losses(four), losses(one))) < 1e-4
     # The optimizer state is sharded four ways in the log.
     mem = json.loads(open(four).readline())["memory"]
     assert mem["optim"] * 4 == json.loads(open(one).readline())["memory"]["optim"]
@@ -151,7 +152,7 @@ def test_context_parallel_from_the_command_line_matches_one_process(tmp_path, mo
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     argv = ["train", *common, "--nproc", "2", "--cp", "2", "--cp-attention", "zigzag", "--log-jsonl", str(two)]
     assert launch_local(argv, 2) == 0
-    assert max(abs(a - b) / b for a, b in zip(losses(two), losses(one))) < 1e-5
+    assert worst(abs(a - b) / b for a, b in zip(losses(two), losses(one))) < 1e-5
 
 
 def test_ranks_are_forked_only_for_runs_that_cannot_touch_cuda():

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ultrascale.config import ConfigError, ParallelConfig, RunConfig, TrainConfig, build_config, validate
 from ultrascale.model import get_preset
-from ultrascale.testing.compare import FP32, check_against_single, compare_against_single, train_single
+from ultrascale.testing.compare import FP32, check_against_single, compare_against_single, train_single, worst
 from ultrascale.testing.harness import run_distributed, worker_context
 
 VARIANTS = ("allgather", "ring", "zigzag", "ulysses")
@@ -347,7 +347,7 @@ def test_saved_in_one_layout_resumed_in_another(tmp_path, saved, resumed):
     head = _run(*cfg(saved, 2, save=str(tmp_path / "ck")))
     tail = _run(*cfg(resumed, 4, resume=str(tmp_path / "ck")))
     assert len(head + tail) == 4
-    assert max(abs(a - b) / b for a, b in zip(head + tail, straight)) <= FP32.loss_rtol, (head + tail, straight)
+    assert worst(abs(a - b) / b for a, b in zip(head + tail, straight)) <= FP32.loss_rtol, (head + tail, straight)
 
 
 # -- activation memory: falls with cp, and the planner predicts it ------------------

@@ -6,11 +6,14 @@ cannot fail proves nothing. Each fault of `testing/faults.py` is patched into th
 worker processes for one run, and the comparison must reject that run.
 """
 
+import math
+
 import pytest
+import torch
 
 from ultrascale.config import ParallelConfig, RunConfig, TrainConfig
 from ultrascale.model import get_preset
-from ultrascale.testing.compare import FP32, check_against_single, compare_against_single
+from ultrascale.testing.compare import FP32, RunRecord, check_against_single, compare, compare_against_single
 
 pytestmark = pytest.mark.equivalence
 
@@ -53,6 +56,24 @@ def test_a_one_percent_gradient_scale_is_seen_only_in_the_gradients():
     assert c.max_loss_rel <= FP32.loss_rtol and c.max_param_mean <= FP32.param_mean, c.line()
     assert any("step-1 gradient" in f for f in failed) and any("grad norm" in f for f in failed), failed
     assert 0.009 < c.max_grad_rel_l2 < 0.011, c.line()  # the 1% itself
+
+
+def _record(losses=(5.0, 4.0, 3.0), norms=(2.0, 2.0, 2.0), grad=(3.0, 4.0), param=(1.0, 1.0)):
+    t = torch.tensor  # the tensors compared second ("b") take the NaN
+    return RunRecord(list(losses), list(norms), [1e-3] * 3, {"a": t([1.0, 2.0]), "b": t(grad)},
+                     {"a": t([0.5, 0.25]), "b": t(param)})
+
+
+@pytest.mark.parametrize("where", ["second loss", "third norm", "a gradient", "a parameter"])
+def test_a_nan_after_equal_numbers_fails_the_check(where):
+    # Python's max() passes over a NaN that follows a number; the criterion must not.
+    nan = math.nan
+    got = {"second loss": dict(losses=(5.0, nan, 3.0)), "third norm": dict(norms=(2.0, 2.0, nan)),
+           "a gradient": dict(grad=(3.0, nan)), "a parameter": dict(param=(1.0, nan))}[where]
+    same = compare("same", _record(), _record(), record=False)
+    assert same.failures(FP32) == [] and same.max_loss_rel == 0.0
+    c = compare(where, _record(), _record(**got), record=False)
+    assert len(c.failures(FP32)) == 1 and "nan" in c.line(), c.line()
 
 
 # -- bf16: against one process with the same micro-batches ------------------------------------

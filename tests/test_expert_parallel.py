@@ -7,7 +7,7 @@ import torch
 
 from ultrascale.config import ConfigError, ParallelConfig, RunConfig, TrainConfig, validate
 from ultrascale.model import get_preset
-from ultrascale.testing.compare import FP32, check_against_single, compare_against_single
+from ultrascale.testing.compare import FP32, check_against_single, compare_against_single, worst
 from ultrascale.testing.harness import run_distributed, worker_context
 
 
@@ -195,12 +195,12 @@ def test_expert_shards_checkpoint_and_resume_in_another_layout(tmp_path, saved, 
     head, _ = _run(w1, ck_config(w1, 2, save=ck, **p1))
     tail, state = _run(w2, ck_config(w2, 4, resume=ck, **p2))
     ref_losses, ref_state = _run(1, ck_config(1, 4))
-    assert max(abs(a - b) / b for a, b in zip(head + tail, ref_losses)) <= FP32.loss_rtol
+    assert worst(abs(a - b) / b for a, b in zip(head + tail, ref_losses)) <= FP32.loss_rtol
     from ultrascale.train.optim import lr_at
 
     travel = sum(lr_at(step, ck_config(1, 4).train) for step in (2, 3))  # how far AdamW moves steps 3, 4
-    worst = max((state[n] - p).abs().mean().item() / travel for n, p in ref_state.items())
-    assert worst <= FP32.param_mean, worst
+    moved = worst((state[n] - p).abs().mean().item() / travel for n, p in ref_state.items())
+    assert moved <= FP32.param_mean, moved
 
 
 @pytest.mark.parametrize("dp,ep,zero,dtype", [(1, 1, 0, "bf16"), (2, 2, 0, "fp32"), (4, 2, 2, "bf16")])

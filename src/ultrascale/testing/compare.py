@@ -115,26 +115,40 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.0 if diff == 0 else diff / ref if ref > 0 else math.inf
 
 
+def _worse(a: float, b: float) -> bool:
+    """b is worse than a: larger, or NaN. Python's max() passes over a NaN that comes after a
+    number (NaN > x is False), and a run whose second loss is NaN would then read as equal."""
+    return math.isnan(b) and not math.isnan(a) or b > a
+
+
+def worst(values) -> float:
+    worst = 0.0
+    for v in values:
+        if _worse(worst, v):
+            worst = v
+    return worst
+
+
 def compare(label: str, ref: RunRecord, got: RunRecord, record: bool = True) -> Comparison:
     assert len(got.losses) == len(ref.losses), f"{label}: {len(got.losses)} steps vs {len(ref.losses)}"
     assert ref.state.keys() == got.state.keys(), f"{label}: parameter names differ: {ref.state.keys() ^ got.state.keys()}"
-    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses))
-    norm_rel = max(abs(a - b) / abs(b) for a, b in zip(got.grad_norms, ref.grad_norms))
+    loss_rel = worst(abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses))
+    norm_rel = worst(abs(a - b) / abs(b) for a, b in zip(got.grad_norms, ref.grad_norms))
     grad_rel, worst_grad = 0.0, "-"
     if ref.first_grads is not None or got.first_grads is not None:
         assert ref.first_grads is not None and got.first_grads is not None, f"{label}: first-step gradients missing"
         assert ref.first_grads.keys() == got.first_grads.keys(), f"{label}: gradient names differ"
         for name, g in ref.first_grads.items():
             r = _rel_l2(got.first_grads[name], g)
-            if r > grad_rel or worst_grad == "-":
+            if _worse(grad_rel, r) or worst_grad == "-":
                 grad_rel, worst_grad = r, name
     distance = sum(ref.lrs)  # how far AdamW can move one element: about lr per step
     mean, worst_param, abs_diff = 0.0, "-", 0.0
     for name, p in ref.state.items():
         diff = (got.state[name].float() - p.float()).abs()
-        abs_diff = max(abs_diff, diff.max().item())
+        abs_diff = worst([abs_diff, diff.max().item()])
         r = diff.mean().item() / distance
-        if r > mean or worst_param == "-":
+        if _worse(mean, r) or worst_param == "-":
             mean, worst_param = r, name
     c = Comparison(label, len(got.losses), loss_rel, norm_rel, grad_rel, worst_grad, mean, worst_param, abs_diff)
     if record:
