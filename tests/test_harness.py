@@ -83,24 +83,25 @@ def _two_lines_in_one_write():
 def test_read_until_sees_two_lines_that_arrive_in_one_write():
     child = _two_lines_in_one_write()
     try:
-        lines, short = read_until(child.stdout, lambda lines: len(lines) >= 2, limit=20)
+        lines, short = read_until(child.stdout, lambda lines: len(lines) >= 2, limit=60)
         assert short is None and lines == [b"paused 0", b"paused 1"]
     finally:
         child.kill()
         child.wait()
     # The wrong form, select() on the pipe and the buffered readline(): the first readline takes
-    # both lines off the pipe, so the select() waiting for the second times out.
+    # both lines off the pipe, so a select() waiting for the second never wakes.
     child = _two_lines_in_one_write()
     try:
-        sel, got = selectors.DefaultSelector(), []
+        sel = selectors.DefaultSelector()
         sel.register(child.stdout, selectors.EVENT_READ)
-        while len(got) < 2 and sel.select(timeout=2):
-            got.append(child.stdout.readline())
-        assert got == [b"paused 0\n"]
+        assert sel.select(timeout=60)  # the child's one write is in the pipe
+        assert child.stdout.readline() == b"paused 0\n"
+        assert sel.select(timeout=1) == []  # nothing left in the pipe to signal...
+        assert child.stdout.readline() == b"paused 1\n"  # ...the second line was in the buffer all along
     finally:
         child.kill()
         child.wait()
     # A pipe that closes is "ended", with the lines before it.
     done = subprocess.Popen([sys.executable, "-c", "print('only')"], stdout=subprocess.PIPE)
-    assert read_until(done.stdout, lambda lines: len(lines) >= 2, limit=20) == ([b"only"], "ended")
+    assert read_until(done.stdout, lambda lines: len(lines) >= 2, limit=60) == ([b"only"], "ended")
     done.wait()
