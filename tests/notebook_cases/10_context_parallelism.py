@@ -48,6 +48,29 @@ def ring_attention(q, k, v):
 def ring_attention(q, k, v):
     return attend_block(q, k, v, causal=True)[0]
 '''),
+    # A buffer read before it is written (torch.empty_like; NaN here, so that the garbage is the same every run).
+    ("1", "lse read before written", "a NaN or an infinity in your merged (out, lse)", '''
+def merge_partials(out1, lse1, out2, lse2):
+    lse = torch.full_like(lse1, float("nan"))
+    out = torch.exp(lse1 - lse).unsqueeze(-1) * out1 + torch.exp(lse2 - lse).unsqueeze(-1) * out2
+    torch.logaddexp(lse1, lse2, out=lse)
+    return out, lse
+'''),
+    # An empty accumulator merged with weight exp(-inf) = 0: but 0 * NaN (torch.empty's garbage) is NaN.
+    ("2", "accumulator from torch.empty", "a NaN or an infinity in rank 0's output", '''
+def ring_attention(q, k, v):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("-inf"))
+    kv = torch.stack((k, v))
+    for step in range(world):
+        source = (rank - step) % world
+        if source <= rank:
+            block_out, block_lse = attend_block(q, kv[0], kv[1], causal=(source == rank))
+            out, lse = merge_partials(out, lse, block_out, block_lse)
+        if step + 1 < world:
+            kv = pass_along(kv)
+    return out
+'''),
 ]
 
 PRINTED = [

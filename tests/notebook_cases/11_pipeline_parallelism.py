@@ -80,6 +80,37 @@ def step_time(stages, t_f, t_b):
     busy = max(sum(t_f[s] if kind == "F" else t_b[s] for kind, _ in stages[s]) for s in range(p))
     return max(clock), (max(clock) - busy) / max(clock)
 '''),
+    # A NaN micro-batch number is not an int: the action check names it (a NaN cannot pass as an action).
+    ("1", "idle slots as NaN", "is not an action", '''
+def one_f_one_b_stage(p, stage, m):
+    warmup = min(p - stage - 1, m)
+    actions = [("F", float("nan"))] * stage  # idle until the first micro-batch arrives
+    actions += [("F", k) for k in range(warmup)]
+    for k in range(m - warmup):
+        actions += [("F", warmup + k), ("B", k)]
+    return actions + [("B", k) for k in range(m - warmup, m)]
+'''),
+    # Clocks started at NaN: Python's max(nan, x) is nan, so every time is NaN, and NaN > tol is False.
+    ("2", "clocks start at NaN", "a NaN or an infinity in your (step time, bubble ratio)", '''
+def step_time(stages, t_f, t_b):
+    p = len(stages)
+    end, pos, clock = {}, [0] * p, [float("nan")] * p  # not started yet
+    while any(pos[s] < len(stages[s]) for s in range(p)):
+        for s in range(p):
+            while pos[s] < len(stages[s]):
+                kind, k = stages[s][pos[s]]
+                if kind == "F":
+                    dep = ("F", k, s - 1) if s > 0 else None
+                else:
+                    dep = ("B", k, s + 1) if s < p - 1 else None
+                if dep is not None and dep not in end:
+                    break
+                clock[s] = max(clock[s], end.get(dep, 0.0)) + (t_f[s] if kind == "F" else t_b[s])
+                end[(kind, k, s)] = clock[s]
+                pos[s] += 1
+    busy = max(sum(t_f[s] if kind == "F" else t_b[s] for kind, _ in stages[s]) for s in range(p))
+    return max(clock), (max(clock) - busy) / busy
+'''),
 ]
 
 PRINTED = [

@@ -103,6 +103,54 @@ def weight_grad(x, grad_out):
     g = grad_out.reshape(-1, grad_out.shape[-1])
     return g.t() @ x.reshape(-1, x.shape[-1]), g.mean(0)
 '''),
+    # Ragged chunks padded into one tensor with NaN: 10 layers over 4 virtual stages leave NaN ids.
+    ("1", "NaN-padded chunks", "a NaN or an infinity in your layer ids", '''
+def layer_assignment(n_layers, p, v):
+    stages = p * v
+    base, extra = divmod(n_layers, stages)
+    ids = torch.full((stages, base + (extra > 0)), float("nan"))
+    start = 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        ids[s, :size] = torch.arange(start, start + size)
+        start += size
+    return [[ids[c * p + r].tolist() for c in range(v)] for r in range(p)]
+
+
+def v_placement(p):
+    return [[r, 2 * p - 1 - r] for r in range(p)]
+'''),
+    # The V walked stage by stage, one stage short: rank 0's second stage is never written.
+    ("1", "V buffer one stage short", "a NaN or an infinity in your stages", '''
+def layer_assignment(n_layers, p, v):
+    stages = p * v
+    base, extra = divmod(n_layers, stages)
+    virtual, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        virtual.append(list(range(start, start + size)))
+        start += size
+    return [[virtual[c * p + r] for c in range(v)] for r in range(p)]
+
+
+def v_placement(p):
+    placement = torch.full((p, 2), float("nan"))
+    for s in range(2 * p - 1):
+        placement[s if s < p else 2 * p - 1 - s, s // p] = s
+    return placement.tolist()
+'''),
+    # The weight gradient summed into an uninitialised buffer (torch.empty, not zeros; NaN here, the same every run).
+    ("2", "summed into torch.empty", "a NaN or an infinity in your (weight, bias) gradients", '''
+def input_grad(grad_out, weight):
+    return grad_out @ weight
+
+def weight_grad(x, grad_out):
+    g, xs = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+    grad_w = torch.full((g.shape[1], xs.shape[1]), float("nan"), dtype=x.dtype)
+    for t in range(g.shape[0]):
+        grad_w += torch.outer(g[t], xs[t])
+    return grad_w, g.sum(0)
+'''),
 ]
 
 PRINTED = [

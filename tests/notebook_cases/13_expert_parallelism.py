@@ -77,6 +77,35 @@ def dispatch(tokens, expert_idx, n_experts, expert_forward):
     result[order] = back
     return result
 '''),
+    # Only the kept assignments get a weight; the dropped ones keep torch.empty's garbage (NaN here, every run).
+    ("1", "weights only where kept", "a NaN or an infinity in your weights with capacity factor", _ROUTE_HEAD + '''
+    keep = torch.ones_like(expert_idx, dtype=torch.bool)
+    if capacity_factor:
+        capacity = math.ceil(capacity_factor * tokens * k / experts)
+        for e in range(experts):
+            rows, slots = (expert_idx == e).nonzero(as_tuple=True)
+            order = torch.sort(-chosen[rows, slots], stable=True).indices
+            keep[rows[order[capacity:]], slots[order[capacity:]]] = False
+    weights = torch.full_like(chosen, float("nan"))
+    weights[keep] = (chosen / chosen.sum(dim=-1, keepdim=True))[keep]
+    return expert_idx, weights, keep
+'''),
+    # The rows sent home added into an uninitialised buffer (torch.empty, not zeros; NaN here, every run).
+    ("2", "index_add into torch.empty", "a NaN or an infinity in rank 0's outputs", '''
+def dispatch(tokens, expert_idx, n_experts, expert_forward):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = n_experts // world
+    order = torch.argsort(expert_idx, stable=True)
+    per_expert = torch.bincount(expert_idx, minlength=n_experts)
+    received, from_rank = exchange(tokens[order], per_expert.view(world, local).sum(1).tolist())
+    split, _ = exchange(per_expert.view(world, local), [1] * world)
+    outputs = []
+    for rows, counts in zip(received.split(from_rank), split):
+        for j, block in enumerate(rows.split(counts.tolist())):
+            outputs.append(expert_forward(rank * local + j, block))
+    back, _ = exchange(torch.cat(outputs), from_rank)
+    return torch.full_like(back, float("nan")).index_add_(0, order, back)
+'''),
 ]
 
 PRINTED = [

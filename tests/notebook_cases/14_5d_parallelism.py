@@ -109,6 +109,31 @@ MISTAKES = [
                 and sequences % (gpus // (tp * pp)) == 0 and memory_per_gpu(gpus // (tp * pp), pp, tp) <= limit]
         return max(fits, key=lambda lay: tokens_per_s(*lay)) if fits else None
     '''),
+    # Coordinates marked NaN until computed, and the size-1 dimensions skipped: int(nan) crashed the check.
+    ("1", "size-1 dimensions left NaN", "a NaN or an infinity in what grid_position(", '''
+    def grid_position(rank, dp, pp, cp, tp):
+        sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+        coords, rem = dict.fromkeys(sizes, float("nan")), rank
+        for name in ("tp", "cp", "pp", "dp"):
+            if sizes[name] > 1:
+                coords[name] = rem % sizes[name]
+                rem //= sizes[name]
+        strides = {"tp": 1, "cp": tp, "pp": cp * tp, "dp": pp * cp * tp}
+        groups = {n: [rank - coords[n] * strides[n] + i * strides[n] for i in range(sizes[n])]
+                  for n in ("tp", "dp", "pp")}
+        return coords, groups
+    '''),
+    # NaNs for "no layout": the check asks for None (a NaN is no int, so it cannot pass as a layout either).
+    ("2", "NaN when nothing fits", "no layout fits in memory, return None", '''
+    def best_layout(gpus, heads, layers, sequences, memory_per_gpu, tokens_per_s, limit):
+        fits = [(gpus // (tp * pp), pp, tp) for tp in range(1, 9) for pp in range(1, gpus + 1)
+                if gpus % (tp * pp) == 0 and heads % tp == 0 and layers % pp == 0
+                and sequences % (gpus // (tp * pp)) == 0 and memory_per_gpu(gpus // (tp * pp), pp, tp) <= limit]
+        if not fits:
+            return (float("nan"),) * 3
+        best = max(tokens_per_s(*lay) for lay in fits)
+        return min((lay for lay in fits if tokens_per_s(*lay) >= 0.99 * best), key=lambda lay: (lay[1], lay[2]))
+    '''),
 ]
 
 PRINTED = [

@@ -79,6 +79,37 @@ def roofline(kind, shape, dtype, peak_flops, bandwidth):
     ai = flops / moved
     return ai, "memory" if ai >= peak_flops / bandwidth else "compute"
 '''),
+    # exp(s - row_max) with the old max, -inf on the first block: exp(inf) = inf, then inf - inf = NaN.
+    ("1", "old max in exp", "a NaN or an infinity in your output", '''
+def flash_attention_forward(q, k, v, block):
+    scale = q.shape[-1] ** -0.5
+    row_max = torch.full((q.shape[0], 1), float("-inf"))
+    row_sum = torch.zeros(q.shape[0], 1)
+    acc = torch.zeros(q.shape[0], v.shape[-1])
+    for start in range(0, k.shape[0], block):
+        k_blk, v_blk = k[start:start + block], v[start:start + block]
+        s = (q @ k_blk.T) * scale
+        p = torch.exp(s - row_max)
+        new_max = torch.maximum(row_max, s.max(dim=-1, keepdim=True).values)
+        correction = torch.exp(row_max - new_max)
+        row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
+        acc = acc * correction + p @ v_blk
+        row_max = new_max
+    return acc / row_sum
+'''),
+    # The bytes of an empty tensor (0), not of an element: a tensor divided by 0 is inf, not an error.
+    ("2", "bytes of an empty tensor", "a NaN or an infinity in your intensity", '''
+def roofline(kind, shape, dtype, peak_flops, bandwidth):
+    nbytes = torch.empty(0, dtype=dtype).nbytes
+    dims = torch.tensor(shape)
+    if kind == "matmul":
+        m, k, n = dims
+        flops, moved = 2 * m * k * n, (m * k + k * n + m * n) * nbytes
+    else:
+        flops, moved = dims[0], 3 * dims[0] * nbytes
+    ai = flops / moved
+    return ai, "compute" if ai >= peak_flops / bandwidth else "memory"
+'''),
 ]
 
 PRINTED = [

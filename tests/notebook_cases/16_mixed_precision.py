@@ -104,6 +104,33 @@ def quantize_e4m3(x):
 def dequantize(q, scale):
     return q.float() / scale
 '''),
+    # Unscaled into uninitialised buffers (torch.empty, not zeros; NaN here, the same every run).
+    ("1", "unscaled into torch.empty", "a NaN or an infinity in your unscaled gradients ", '''
+def scaler_step(scaled_grads, state, window):
+    if not all(torch.isfinite(g).all() for g in scaled_grads):
+        state["scale"] /= 2
+        state["good_steps"] = 0
+        return None
+    grads = [torch.full(g.shape, float("nan")) for g in scaled_grads]
+    for out, g in zip(grads, scaled_grads):
+        out += g.float() / state["scale"]
+    state["good_steps"] += 1
+    if state["good_steps"] == window:
+        state["scale"] *= 2
+        state["good_steps"] = 0
+    return grads
+'''),
+    # amax taken in fp16: 448 / 1e-6 overflows fp16's 65504, and the scale is inf.
+    ("2", "scale overflows in fp16", "a NaN or an infinity in your scale", '''
+def quantize_e4m3(x):
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    scale = fp8_max / x.half().abs().max()
+    return (x.float() * scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn), scale
+
+
+def dequantize(q, scale):
+    return q.float() / scale
+'''),
 ]
 
 PRINTED = [

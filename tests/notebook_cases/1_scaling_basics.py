@@ -33,6 +33,16 @@ MISTAKES = [
         h, L, v = cfg.hidden, cfg.layers, cfg.vocab_size
         return h * v + L * (12 * h * h + 13 * h) + 2 * h
     '''),
+    ("1", "a term left as NaN", "a NaN or an infinity in your count for tiny", '''
+    import math
+
+    def count_params_llama(cfg):
+        h, L, v, f = cfg.hidden, cfg.layers, cfg.vocab_size, cfg.ffn_hidden
+        kv = cfg.kv_heads * (cfg.hidden // cfg.heads)
+        norms = math.nan  # TODO: how many weights has an RMSNorm?
+        embeddings = v * h * (1 if cfg.tie_embeddings else 2)
+        return embeddings + L * (2 * h * h + 2 * h * kv + 3 * h * f + norms) + h
+    '''),
     ("2", "forward only", "that is the forward pass only", '''
     def model_flops_and_mfu(cfg, seq_len, tokens_per_s, peak_flops):
         flops = 2 * count_params(cfg) + 4 * cfg.layers * cfg.hidden * seq_len
@@ -58,6 +68,12 @@ MISTAKES = [
     def model_flops_and_mfu(cfg, seq_len, tokens_per_s, peak_flops):
         flops = 6 * count_params(cfg) + 12 * cfg.layers * cfg.hidden * seq_len
         return flops, tokens_per_s * flops / 1e12 / peak_flops
+    '''),
+    ("2", "the attention term left as NaN", "a NaN or an infinity in (flops_per_token, mfu) for tiny", '''
+    def model_flops_and_mfu(cfg, seq_len, tokens_per_s, peak_flops):
+        attention = float("nan")  # TODO: QK^T and AV, forward and backward
+        flops = 6 * count_params(cfg) + attention
+        return flops, tokens_per_s * flops / peak_flops
     '''),
 ]
 

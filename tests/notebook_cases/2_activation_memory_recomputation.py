@@ -32,6 +32,13 @@ MISTAKES = [
         kv = cfg.kv_heads * (cfg.hidden // cfg.heads)
         return b * s * (2 * (8 * h + 4) + dtype_bytes * (4 * h + 2 * kv + 3 * f) + 4 * a)
     '''),
+    ("1", "the logsumexp left as NaN", "a NaN or an infinity in your bytes for tiny", '''
+    def block_activation_bytes(cfg, b, s, dtype_bytes):
+        h, a, f = cfg.hidden, cfg.heads, cfg.ffn_hidden
+        kv = cfg.kv_heads * (cfg.hidden // cfg.heads)
+        lse = float("nan")  # TODO: what does flash attention keep per head?
+        return b * s * (2 * (8 * h + 4) + dtype_bytes * (4 * h + 2 * kv + 4 * f) + lse)
+    '''),
     ("2", "the whole block checkpointed", "that is full recomputation", '''
     def recompute_attention_core(model):
         for block in model.layers.values():
@@ -68,6 +75,19 @@ MISTAKES = [
             plain = core.forward
             core.forward = lambda q, k, v, plain=plain: checkpoint(plain, q.detach(), k.detach(), v.detach(),
                                                                    use_reentrant=False)
+    '''),
+    ("2", "causal mask multiplied by -inf", "a NaN or an infinity in the loss of the model with your recomputation", '''
+    def recompute_attention_core(model):
+        def attention(q, k, v):
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+            scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+            causal = torch.ones(q.shape[2], q.shape[2]).tril()
+            scores = scores * causal + (1 - causal) * float("-inf")  # 0 * -inf is NaN
+            return scores.softmax(-1) @ v
+
+        for block in model.layers.values():
+            block.attn.core_attention.forward = lambda q, k, v: checkpoint(attention, q, k, v, use_reentrant=False)
     '''),
 ]
 

@@ -18,6 +18,14 @@ MISTAKES = [
             model.zero_grad()
             (loss_fn(model(xb), yb) * len(xb) / len(x)).backward()
     '''),
+            ("1", "divides by a sample count never counted", "a NaN or an infinity in your accumulated gradients", '''
+    def accumulate_gradients(model, loss_fn, x, y, num_micro_batches):
+        seen = 0  # samples so far: meant to grow by len(xb) each micro-batch
+        for xb, yb in zip(x.tensor_split(num_micro_batches), y.tensor_split(num_micro_batches)):
+            (loss_fn(model(xb), yb) * len(xb)).backward()
+        for p in model.parameters():
+            p.grad /= seen
+    '''),
             ("2", "reduce-scatter only", "add the all-gather phase", '''
     def ring_all_reduce(t):
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -73,6 +81,23 @@ MISTAKES = [
     def ring_all_reduce(t):
         root_all_reduce(t)
         t /= dist.get_world_size()
+    '''),
+            ("2", "its own complete chunk never written", "a NaN or an infinity in rank 0's t after your ring", '''
+    def ring_all_reduce(t):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        right, left = (rank + 1) % world, (rank - 1) % world
+        chunks = list(t.tensor_split(world))
+        for step in range(world - 1):
+            out, into = (rank - step) % world, (rank - step - 1) % world
+            buf = torch.empty_like(chunks[into])
+            exchange(chunks[out], buf, right, left)
+            chunks[into] += buf
+        # the complete sums, gathered apart from t (NaN marks a chunk not received yet)
+        result = [torch.full_like(c, float("nan")) for c in chunks]
+        for step in range(world - 1):
+            out, into = (rank + 1 - step) % world, (rank - step) % world
+            exchange(chunks[out] if step == 0 else result[out], result[into], right, left)
+        t.copy_(torch.cat(result))
     '''),
 ]
 

@@ -138,6 +138,18 @@ MISTAKES = [
             p.grad.div_(world)
             dist.all_reduce(p.grad)
 ''')),
+    ("1", "divides by a count still zero", "a NaN or an infinity in rank 0's gradients", '''
+    def overlapped_data_parallel(model, x, y, loss_fn):
+        world = dist.get_world_size()
+        pending = []
+        backwards = 0  # counted after backward: still 0 when the hooks run
+
+        def on_grad_ready(p):
+            p.grad.div_(world * backwards)
+            pending.append(dist.all_reduce(p.grad, async_op=True))
+''' + _EX1_TAIL + '''
+        backwards += 1
+'''),
     ("2", "never writes the reduced bucket back", "torch.cat makes a copy", _ex2(_EX2_BUCKETS, '''
         for bucket in buckets:
             flat = torch.cat([p.grad.reshape(-1) for p in bucket])
@@ -195,6 +207,18 @@ MISTAKES = [
         for bucket in buckets:
             flat = torch.cat([p.grad.reshape(-1) for p in bucket])
             dist.all_reduce(flat)
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+''')),
+    ("2", "counts the ranks from zeros", "a NaN or an infinity in rank 0's gradients", _ex2(_EX2_BUCKETS, '''
+        ranks = torch.zeros(1)  # meant torch.ones: each rank adds 1, the sum is the world size
+        dist.all_reduce(ranks)
+        for bucket in buckets:
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            dist.all_reduce(flat)
+            flat.div_(ranks)
             offset = 0
             for p in bucket:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))

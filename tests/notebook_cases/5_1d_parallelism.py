@@ -38,6 +38,19 @@ MISTAKES = [
     def grad_accum_steps(gbs_tokens, seq_len, mbs, dp):
         return gbs_tokens // (mbs * dp)
     '''),
+            ("1", "NaN for 'no whole steps', the test reversed", "a NaN or an infinity in grad_accum_steps", '''
+    import math
+
+    def grad_accum_steps(gbs_tokens, seq_len, mbs, dp):
+        if gbs_tokens % seq_len:
+            raise ValueError("not whole sequences")
+        samples, per_step = gbs_tokens // seq_len, mbs * dp
+        if samples < per_step:
+            raise ValueError("more GPUs than samples")
+        if per_step % samples:  # meant samples % per_step
+            return math.nan     # no whole number of steps
+        return samples // per_step
+    '''),
             ("2", "takes max_mbs as it is", "mbs must divide the 6 sequences each GPU gets", '''
     def choose_layout(gbs_tokens, seq_len, gpus, max_mbs):
         sequences = gbs_tokens // seq_len
@@ -67,6 +80,20 @@ MISTAKES = [
         per_gpu = max(sequences // gpus, 1)
         mbs = max(m for m in range(1, min(max_mbs, per_gpu) + 1) if per_gpu % m == 0)
         return mbs, per_gpu // mbs, gpus
+    '''),
+            ("2", "an infinite 'best so far' never replaced", "a NaN or an infinity in what choose_layout", '''
+    import math
+
+    def choose_layout(gbs_tokens, seq_len, gpus, max_mbs):
+        sequences = gbs_tokens // seq_len
+        if sequences < gpus or sequences % gpus:
+            raise ValueError("does not split")
+        per_gpu = sequences // gpus
+        best = (math.inf, math.inf, gpus)  # (mbs, ga, dp) with the fewest steps so far
+        for m in range(1, max_mbs + 1):
+            if m % per_gpu == 0 and per_gpu // m < best[1]:  # meant per_gpu % m
+                best = (m, per_gpu // m, gpus)
+        return best
     '''),
 ]
 

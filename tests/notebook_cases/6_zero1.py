@@ -98,6 +98,25 @@ MISTAKES = [
         flat_grad[:numel] = torch.cat([p.grad.reshape(-1) for p in params])
         master.grad = flat_grad[rank * master.numel():(rank + 1) * master.numel()].clone()
 ''' + _GATHER),
+    ("1", "all-gathers with an all-reduce over NaN", "a NaN or an infinity in rank 0's parameters", _SHARD + '''
+    def zero1_step(params, master, opt):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        numel, padded = sum(p.numel() for p in params), master.numel() * world
+        flat_grad = torch.zeros(padded)
+        flat_grad[:numel] = torch.cat([p.grad.reshape(-1) for p in params])
+        shard_grad = torch.empty(master.numel())
+        reduce_scatter(shard_grad, flat_grad)
+        master.grad = shard_grad / world
+        opt.step()
+        full = torch.full((padded,), float("nan"))  # NaN: a slot no rank filled would show
+        full[rank * master.numel():(rank + 1) * master.numel()] = master.detach()
+        dist.all_reduce(full)  # every rank fills its own slice: the sum is the whole vector
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                p.copy_(full[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+'''),
     ("2", "8 bytes per parameter of optimizer state", "k = 4 + 4 + 4 = 12", '''
     def zero1_bytes_per_rank(psi, n, grad_bytes=2):
         return {"params": 2 * psi, "grads": grad_bytes * psi, "optim": 8 * psi / n}
@@ -113,6 +132,11 @@ MISTAKES = [
     ("2", "bf16 gradients whatever grad_bytes says", "use grad_bytes, not a fixed 2", '''
     def zero1_bytes_per_rank(psi, n, grad_bytes=2):
         return {"params": 2 * psi, "grads": 2 * psi, "optim": 12 * psi / n}
+'''),
+    ("2", "a term left as NaN", "a NaN or an infinity in your bytes for the planner's Llama 3 8B", '''
+    def zero1_bytes_per_rank(psi, n, grad_bytes=2):
+        k = float("nan")  # TODO: bytes of optimizer state per parameter
+        return {"params": 2 * psi, "grads": grad_bytes * psi, "optim": k * psi / n}
 '''),
 ]
 

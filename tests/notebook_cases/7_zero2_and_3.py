@@ -81,6 +81,19 @@ MISTAKES = [
 ''' + _PAD_AND_SCATTER + '''
         return grad_x, grad_shard / world
 '''),
+    ("1", "the padding of the gradient never written", "a NaN or an infinity in layer 2's shard gradient on rank 1",
+     _GATHER + '''
+    def zero3_backward(grad_out, x, shard, shape, all_gather, reduce_scatter):
+        world = dist.get_world_size()
+        weight, bias = gather_linear(shard, shape, all_gather)
+        grad_x, grad_w, grad_b = linear_grads(x, weight, bias, grad_out)
+        flat = torch.full((shard.numel() * world,), float("nan"))  # NaN: a slot left unwritten shows
+        n = grad_w.numel() + grad_b.numel()
+        flat[:n] = torch.cat([grad_w.reshape(-1), grad_b])
+        grad_shard = torch.empty(shard.numel())
+        reduce_scatter(grad_shard, flat)
+        return grad_x, grad_shard / world
+'''),
     ("2", "ZeRO-3 gathers once, like ZeRO-1", "all-gathers the parameters in forward and again in backward", '''
     def comm_bytes_per_rank(stage, psi, n, micro_batches=1, param_bytes=2, grad_bytes=4, psi_kept=0):
         ring = (n - 1) / n
@@ -137,6 +150,18 @@ MISTAKES = [
         if stage == 2:
             return ring * (micro_batches * grads + params)
         return micro_batches * ring * (2 * params + grads)
+'''),
+    ("2", "ZeRO-3 left as NaN", "a NaN or an infinity in your count for ZeRO-3 with 1 micro-batch", '''
+    def comm_bytes_per_rank(stage, psi, n, micro_batches=1, param_bytes=2, grad_bytes=4, psi_kept=0):
+        ring = (n - 1) / n
+        grads, params = grad_bytes * psi, param_bytes * psi
+        if stage == 0:
+            return 2 * ring * grads
+        if stage == 1:
+            return ring * (grads + params)
+        if stage == 2:
+            return ring * (micro_batches * grads + params)
+        return float("nan")  # TODO: ZeRO-3
 '''),
 ]
 

@@ -57,6 +57,9 @@ MISTAKES = [
     ("1", "f backward averages", "sums the partial gradients, it does not average",
      _mlp("grad = grad.contiguous().clone(); dist.all_reduce(grad); return grad / dist.get_world_size()",
           _REDUCE, "return grad")),
+    ("1", "f backward divides by the rank", "a NaN or an infinity in rank 0's gradients",
+     _mlp("grad = grad.contiguous().clone(); dist.all_reduce(grad); return grad / dist.get_rank()",
+          _REDUCE, "return grad")),
     ("2", "local max", "each rank shifted its logits by its own max", _CE % ("", " * mine", "mean")),
     ("2", "no mask on the target", "only the owner", _CE % (_MAX, "", "mean")),
     ("2", "sum over tokens", "F.cross_entropy averages", _CE % (_MAX, " * mine", "sum")),
@@ -68,6 +71,21 @@ def vocab_parallel_ce(logits, targets, vocab_start):
     local = targets - vocab_start
     mine = (local >= 0) & (local < n)
     z_target = logits.gather(-1, local.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1) * mine
+    dist.all_reduce(z_target)
+    return (sum_exp.log() - z_target).mean()
+'''),
+    ("2", "-inf for the targets of other shards", "a NaN or an infinity in rank 0's loss", '''
+def vocab_parallel_ce(logits, targets, vocab_start):
+    n = logits.shape[-1]
+    zmax = logits.max(dim=-1).values
+    dist.all_reduce(zmax, op=dist.ReduceOp.MAX)
+    z = logits - zmax.unsqueeze(-1)
+    sum_exp = z.exp().sum(dim=-1)
+    dist.all_reduce(sum_exp)
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < n)
+    z_target = z.gather(-1, local.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1)
+    z_target[~mine] = float("-inf")  # not this shard's target: masked out
     dist.all_reduce(z_target)
     return (sum_exp.log() - z_target).mean()
 '''),

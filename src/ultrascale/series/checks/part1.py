@@ -15,6 +15,7 @@ import os
 from dataclasses import replace
 
 from ultrascale.model import ModelConfig, get_preset
+from ultrascale.series.checks import require_finite
 
 
 def _configs():
@@ -63,6 +64,7 @@ def exercise_1(count_params_llama):
     """count_params_llama(cfg) -> int, the parameters of Transformer(cfg), for several shapes."""
     for cfg in _configs():
         got = count_params_llama(cfg)
+        require_finite(got, f"your count for {cfg.name}")
         want = model_numel(cfg)
         assert isinstance(got, int) or (hasattr(got, "is_integer") and float(got).is_integer()), (
             f"return a whole number of parameters (an int), got {got!r} for {cfg.name}")
@@ -140,7 +142,9 @@ def playbook_runs():
 def _pair(out, what):
     assert isinstance(out, tuple) and len(out) == 2, (
         f"return a pair (flops_per_token, mfu), got {type(out).__name__} for {what}")
-    return float(out[0]), float(out[1])
+    pair = float(out[0]), float(out[1])
+    require_finite(pair, f"(flops_per_token, mfu) for {what}")
+    return pair
 
 
 def exercise_2(model_flops_and_mfu):
@@ -180,7 +184,7 @@ def exercise_2(model_flops_and_mfu):
     want = m["tflops"] * 1e12 / peak  # the trainer's own figure of model FLOP/s, over the peak
     where = (f"for the measured run ({m['tokens_per_s']:,.0f} tokens/s, peak {peak:.0e} FLOP/s) your MFU is "
              f"{got:.4g}, it is {want:.4g}")
-    if abs(got - want) > 1e-6 * want:
+    if not abs(got - want) <= 1e-6 * want:  # `not <=`: a NaN is off too
         if abs(got - 100 * want) <= 1e-4 * want:
             raise AssertionError(f"{where}: return MFU as a fraction (0.43), not a percentage (43)")
         if abs(got - want / 1e12) <= 1e-6 * want / 1e12 or abs(got - want * 1e12) <= 1e-6 * want * 1e12:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from ultrascale.series.checks import on_ranks
+from ultrascale.series.checks import on_ranks, require_finite
 
 WORLD = 4
 
@@ -46,6 +46,7 @@ def exercise_1(merge_partials):
         f"{tuple(want_out.shape)}")
     assert tuple(lse.shape) == tuple(want_lse.shape), (
         f"lse has shape {tuple(lse.shape)}; one log-sum-exp per query row: {tuple(want_lse.shape)}")
+    require_finite([out, lse], "your merged (out, lse)")
     if not torch.allclose(out.double(), want_out, atol=1e-5):
         if torch.allclose(out.double(), (o1.double() + o2.double()) / 2, atol=1e-5):
             raise AssertionError("you averaged the two outputs: each block's softmax was normalised over its own "
@@ -107,6 +108,7 @@ def exercise_2(ring_attention):
         assert tuple(out.shape) == tuple(want[:, :, mine].shape), (
             f"rank {rank} returned shape {tuple(out.shape)}; it should return the output of its own queries, "
             f"{tuple(want[:, :, mine].shape)}")
+        require_finite(out, f"rank {rank}'s output")
         if torch.allclose(out.double(), want[:, :, mine], atol=1e-5):
             continue
         if torch.allclose(out.double(), nothing_masked[:, :, mine], atol=1e-5):

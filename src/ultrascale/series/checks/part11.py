@@ -9,6 +9,8 @@ same, and against a longest-path computation of the check's own where stages dif
 
 from __future__ import annotations
 
+from ultrascale.series.checks import require_finite
+
 CASES_1 = [(4, 8), (4, 4), (4, 3), (2, 5), (3, 1), (1, 3)]
 
 
@@ -156,7 +158,8 @@ def exercise_2(step_time):
         tl = simulate(schedule(name, p, m), p, 1, t_f=tf, t_b=tb, t_w=0.0)
         busy = max(tl.busy)
         where = f"{name}, p = {p}, m = {m}, F = {tf:g}, B = {tb:g} on every stage"
-        if abs(T - tl.makespan) > 1e-9:
+        require_finite([T, bubble], f"your (step time, bubble ratio) for {where}")
+        if not abs(T - tl.makespan) <= 1e-9:
             if abs(T - busy) < 1e-9:
                 raise AssertionError(f"{where}: your step time {T:g} is one stage's compute alone; a forward "
                                      f"waits for the previous stage's forward of the same micro-batch, a "
@@ -168,7 +171,7 @@ def exercise_2(step_time):
                                      f"gradient from the next stage has arrived: B k on stage s waits for "
                                      f"B k on stage s + 1 (the simulator gives {tl.makespan:g})")
             raise AssertionError(f"{where}: step time {T:g}, the engine's simulator gives {tl.makespan:g}")
-        if abs(bubble - tl.bubble_ratio) > 1e-9:
+        if not abs(bubble - tl.bubble_ratio) <= 1e-9:
             if abs(bubble - (T - busy) / T) < 1e-9:
                 raise AssertionError(f"{where}: your bubble {bubble:.4f} divides the idle time by the step time; "
                                      f"the bubble ratio divides it by the compute time of the busiest stage: "
@@ -179,10 +182,11 @@ def exercise_2(step_time):
     for name, p, m, tf, tb in [("1f1b", 4, 8, [1.0, 1.0, 1.0, 2.0], [2.0, 2.0, 2.0, 3.0]),
                                ("afab", 3, 4, [1.5, 1.0, 1.0], [3.0, 2.0, 2.5])]:
         lists = _lists(name, p, m)
-        T, bubble = step_time([list(x) for x in lists], list(tf), list(tb))
+        T, bubble = (float(x) for x in step_time([list(x) for x in lists], list(tf), list(tb)))
         want_T, want_bubble = _reference(lists, tf, tb)
         where = f"{name}, p = {p}, m = {m}, F per stage {tf}, B per stage {tb}"
-        if abs(T - want_T) > 1e-9 or abs(bubble - want_bubble) > 1e-9:
+        require_finite([T, bubble], f"your (step time, bubble ratio) for {where}")
+        if not (abs(T - want_T) <= 1e-9 and abs(bubble - want_bubble) <= 1e-9):
             raise AssertionError(f"{where}: got ({T:g}, {bubble:.4f}), want ({want_T:g}, {want_bubble:.4f}): "
                                  f"use each stage's own durations, and the busiest stage's compute for the ratio")
     print(f"step time and bubble equal the engine's simulator for {len(cases)} schedules, and the definition "

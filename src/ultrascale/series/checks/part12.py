@@ -8,6 +8,8 @@ autograd on the same layer, and by deferring the weight half past a whole backwa
 
 from __future__ import annotations
 
+from ultrascale.series.checks import require_finite
+
 CASES_1 = [(8, 4, 2), (8, 2, 2), (10, 2, 2), (12, 4, 3), (7, 2, 3), (16, 4, 2), (6, 2, 1)]
 
 
@@ -20,6 +22,7 @@ def exercise_1(layer_assignment):
         where = f"{n} layers, p = {p}, v = {v}"
         stages = split(n, p, v)
         want = [[list(ids) for ids in rank_chunks(stages, r, p, v)] for r in range(p)]
+        require_finite(got, f"your layer ids for {where}")  # int(nan) would fail with a ValueError
         try:
             got = [[[int(i) for i in chunk] for chunk in rank] for rank in got]
         except TypeError:
@@ -96,6 +99,7 @@ def exercise_2(input_grad, weight_grad):
     problem = _describe("the input gradient", gx, x.grad)
     if problem:
         raise AssertionError(f"{problem}: dL/dx = grad_out @ W has the shape of x")
+    require_finite(gx, "your input gradient")
     if not torch.allclose(gx, x.grad):
         raise AssertionError("the input gradient differs from autograd's: y = x Wᵀ + b, so dL/dx = grad_out @ W")
     try:
@@ -107,6 +111,7 @@ def exercise_2(input_grad, weight_grad):
                              f"[tokens, features] first") from None
     if not isinstance(got, tuple) or len(got) != 2:
         raise AssertionError("weight_grad returns a tuple (grad_w, grad_b)")
+    require_finite(got, "your (weight, bias) gradients")
     gw, gb = got
     if isinstance(gw, torch.Tensor) and tuple(gw.shape) == tuple(w.shape)[::-1]:
         raise AssertionError(f"your weight gradient has shape {tuple(gw.shape)}, the weight {tuple(w.shape)} "
@@ -170,7 +175,9 @@ def exercise_v(v_placement):
     for p in (2, 3, 4, 8):
         want = [virtual_stages(r, p, 2, vshape=True) for r in range(p)]
         try:
-            got = [[int(s) for s in pair] for pair in v_placement(p)]
+            placement = v_placement(p)
+            require_finite(placement, f"your stages for p = {p}")  # int(nan) would fail with a ValueError
+            got = [[int(s) for s in pair] for pair in placement]
         except TypeError:
             raise AssertionError(f"p = {p}: return a list per rank of its two stages") from None
         if len(got) != p or any(len(pair) != 2 for pair in got):

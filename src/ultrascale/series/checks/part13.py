@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from ultrascale.series.checks import on_ranks
+from ultrascale.series.checks import on_ranks, require_finite
 
 WORLD = 4
 EXPERTS = 8
@@ -48,6 +48,7 @@ def exercise_1(route):
     logits[:, 0] += 1.5  # a popular expert, so capacity bites
     k = 2
     idx, weights, keep = route(logits.clone(), k, 0.0)
+    require_finite(weights, "your weights")
     want_idx, want_w, _ = _route_reference(logits, k, 0.0)
     assert tuple(idx.shape) == (24, k) and tuple(weights.shape) == (24, k), (
         f"expert_idx and weights should be [tokens, k] = [24, {k}], got {tuple(idx.shape)} and {tuple(weights.shape)}")
@@ -57,16 +58,19 @@ def exercise_1(route):
                              "router's softmax over experts, per token (dim=-1)")
     raw = _as_sets(want_idx, logits.double().softmax(-1).gather(1, want_idx))
     for t, (got, want, unnorm) in enumerate(zip(got_sets, want_sets, raw)):
-        if all(abs(got[e] - unnorm[e]) < 1e-5 for e in got) and any(abs(got[e] - want[e]) > 1e-5 for e in got):
+        right = all(abs(got[e] - want[e]) <= 1e-5 for e in got)  # not `any(... > 1e-5)`: NaN > x is False
+        if all(abs(got[e] - unnorm[e]) < 1e-5 for e in got) and not right:
             raise AssertionError("the weights are the raw softmax scores of the chosen experts: renormalise "
                                  "them to sum to 1 over the k chosen experts")
-        if any(abs(got[e] - want[e]) > 1e-5 for e in got):
+        if not right:
             raise AssertionError(f"token {t}'s weights {got} should be {want}: the chosen experts' softmax "
                                  f"scores, divided by their sum")
     assert keep.dtype == torch.bool and bool(keep.all()), \
         "with capacity_factor 0 (dropless) every assignment is kept: keep should be all True"
     for factor in (1.0, 1.5):
         idx, weights, keep = route(logits.clone(), k, factor)
+        # Dropped assignments keep their weight too: a NaN there poisons the output even times a 0.
+        require_finite(weights, f"your weights with capacity factor {factor}")
         want_idx, want_w, want_keep = _route_reference(logits, k, factor)
         cap = math.ceil(factor * 24 * k / EXPERTS)
         got_kept = {(t, int(e)) for t in range(24) for e, kk in zip(idx[t].tolist(), keep[t].tolist()) if kk}
@@ -130,6 +134,7 @@ def exercise_2(dispatch):
         assert tuple(out.shape) == tuple(want.shape), (
             f"rank {rank} returned shape {tuple(out.shape)}: one output row per token of this rank, "
             f"{tuple(want.shape)}, in the tokens' order")
+        require_finite(out, f"rank {rank}'s outputs")
         if torch.allclose(out, want, atol=1e-6):
             continue
         if torch.allclose(out, wrong_local, atol=1e-6):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from ultrascale.series.checks import require_finite
+
 DIMS = ("dp", "pp", "cp", "tp")
 
 
@@ -55,6 +57,7 @@ def _compare(layout: dict, rank: int, engine, got) -> None:
     call = f"grid_position({rank}, dp={layout['dp']}, pp={layout['pp']}, cp={layout['cp']}, tp={layout['tp']})"
     assert isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], dict) and isinstance(got[1], dict), (
         f"{call} returned {got!r}: return a tuple (coords, groups) of two dicts")
+    require_finite(got, f"what {call} returned")  # int(nan) would fail with a ValueError
     coords, groups = got
     want_coords, want_groups = engine
     for d in DIMS:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ultrascale.series.checks import max_rel_diff
+from ultrascale.series.checks import max_rel_diff, require_finite
 
 
 def _blocked_variants(q, k, v, block):
@@ -79,16 +79,16 @@ def exercise_1(flash_attention_forward):
         assert tuple(got.shape) == tuple(want.shape), (
             f"the output has shape {tuple(got.shape)}; one row per query, one column per value dimension: "
             f"{tuple(want.shape)}")
-        if torch.isfinite(got).all() and max_rel_diff(got, want) <= 1e-4:
+        if not torch.isfinite(got).all():
+            raise AssertionError("a NaN or an infinity in your output: subtract the running max before exp, and "
+                                 "start the running max at -inf only where it is combined with torch.maximum")
+        if max_rel_diff(got, want) <= 1e-4:
             if watch.full:
                 raise AssertionError(f"the output is right, but your code formed a [{m}, {n}] tensor: the scores of "
                                      f"every key at once, which is what FlashAttention never writes out; compute "
                                      f"q @ k_blk.T for one block of {block} keys at a time")
             continue
         wrong = _blocked_variants(q, k, v, block)
-        if not torch.isfinite(got).all():
-            raise AssertionError("your output holds inf or NaN: subtract the running max before exp, and start "
-                                 "the running max at -inf only where it is combined with torch.maximum")
         if max_rel_diff(got, wrong["unnormalised"]) <= 1e-4:
             raise AssertionError("you return the accumulator without the final division: the weights of a row "
                                  "must sum to 1; return acc / row_sum at the end")
@@ -140,6 +140,7 @@ def exercise_2(roofline):
         got = roofline(kind, shape, dtype, peak, bw)
         assert isinstance(got, tuple) and len(got) == 2, "return a tuple (intensity, 'memory' or 'compute')"
         ai, bound = got
+        require_finite(float(ai), f"your intensity for {kind} {shape} in {dtype}")
         want_ai, want_bound, flops, moved, b = _expected(kind, shape, dtype, peak, bw)
         what = f"{kind} {shape} in {dtype} on peak {peak:.3g} FLOP/s, {bw:.3g} B/s"
         if not math.isclose(float(ai), want_ai, rel_tol=1e-6):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from ultrascale.series.checks import require_finite
+
 WINDOW = 3
 
 
@@ -78,6 +80,7 @@ def exercise_1(scaler_step):
                                  f"the step: skip only on inf or NaN")
         assert isinstance(got, (list, tuple)) and len(got) == len(fp32), (
             f"{where}: return a list with one unscaled gradient per input gradient")
+        require_finite(list(got), f"your unscaled gradients at {where}")  # every scaled one was finite
         for i, (x, ref) in enumerate(zip(got, fp32)):
             if x.dtype != torch.float32:
                 raise AssertionError(f"{where}: gradient {i} is {x.dtype}: unscale in fp32 (g.float() / scale); "
@@ -121,6 +124,7 @@ def exercise_2(quantize_e4m3, dequantize):
         got = quantize_e4m3(x.clone())
         assert isinstance(got, tuple) and len(got) == 2, "quantize_e4m3 returns a tuple (q, scale)"
         q, scale = got
+        require_finite(scale, f"your scale for {what}")  # e4m3 has no inf: the scale must be finite
         assert isinstance(q, torch.Tensor) and q.dtype == fp8, (
             f"{what}: q is {getattr(q, 'dtype', type(q))}; cast the scaled tensor with .to(torch.float8_e4m3fn)")
         assert q.shape == x.shape, f"{what}: q has shape {tuple(q.shape)}, x {tuple(x.shape)}"
@@ -143,6 +147,7 @@ def exercise_2(quantize_e4m3, dequantize):
         if not torch.isfinite(q.float()).all():
             raise AssertionError(f"{what}: q holds NaN: the scale must be finite, fp8 max / amax (amax clamped away "
                                  f"from 0), and x * scale clamped to +-448 against rounding")
+        require_finite(back, f"dequantize's output for {what}")
         if not math.isclose(scale_t.item(), (fi.max / amax).item(), rel_tol=1e-3):
             raise AssertionError(f"{what}: scale is {scale_t.item():.4g}, expected fp8 max / amax = "
                                  f"{(fi.max / amax).item():.4g}: the largest |x| should land at 448")

@@ -13,6 +13,7 @@ import contextlib
 from dataclasses import replace
 
 from ultrascale.model import ModelConfig, get_preset
+from ultrascale.series.checks import require_finite
 
 
 # -- measurement ---------------------------------------------------------------
@@ -64,6 +65,7 @@ def exercise_1(block_activation_bytes):
     for cfg, b, s, B in _block_cases():
         got = block_activation_bytes(cfg, b, s, B)
         assert got is not None, "return the number of bytes (an int)"
+        require_finite(got, f"your bytes for {cfg.name}, b={b}, s={s}")
         want = block_saved_bytes(cfg, b, s, B)
         if abs(got - want) <= 1e-9 * want:
             continue
@@ -139,6 +141,8 @@ def exercise_2(recompute_attention_core):
     loss0, grads0, plain = _REF["plain"]
     selective, full = _REF["selective"][2], _REF["full"][2]
     loss, grads, got = _run(cfg, recompute_attention_core, b, s)
+    require_finite(loss, "the loss of the model with your recomputation")
+    require_finite(grads, "the gradients of the model with your recomputation")
     assert abs(loss - loss0) <= 1e-6 * abs(loss0), (
         f"the loss changed ({loss:.6f} instead of {loss0:.6f}): recomputation must compute the same forward")
     for name, g0 in grads0.items():

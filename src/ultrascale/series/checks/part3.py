@@ -10,7 +10,7 @@ exercise_2(ring_all_reduce)       on 4 gloo processes: a sum built from dist.sen
 
 from __future__ import annotations
 
-from ultrascale.series.checks import on_ranks
+from ultrascale.series.checks import on_ranks, require_finite
 from ultrascale.series.ranks import RankError
 
 WORLD = 4
@@ -32,9 +32,11 @@ def _grads(model):
 
 
 def _err(got, want) -> float:
-    """Largest |got - want| over the largest |want|, across all parameters."""
+    """Largest |got - want| over the largest |want|, across all parameters; inf for a NaN (Python's
+    max() passes over a NaN that follows a number)."""
     scale = max(w.abs().max().item() for w in want) or 1.0
-    return max((g - w).abs().max().item() for g, w in zip(got, want)) / scale
+    errs = [(g - w).abs().max().item() for g, w in zip(got, want)]
+    return float("inf") if any(e != e for e in errs) else max(errs) / scale
 
 
 def _scaled(got, want):
@@ -67,6 +69,7 @@ def exercise_1(accumulate_gradients):
         missing = [n for (n, _), g in zip(model.named_parameters(), got) if g is None]
         assert not missing, (f"with {where} the parameters {missing} have no gradient: call backward() on every "
                              f"micro-batch's loss")
+        require_finite(got, f"your accumulated gradients ({where})")
         if _err(got, want) <= 1e-5:
             continue
         c = _scaled(got, want)
@@ -152,7 +155,7 @@ def _ring_on_rank(fn, numel, seed):
 
 def _run_ring(fn, numel, seed):
     try:
-        return on_ranks(WORLD, _ring_on_rank, fn, numel, seed, timeout=RING_TIMEOUT)
+        results = on_ranks(WORLD, _ring_on_rank, fn, numel, seed, timeout=RING_TIMEOUT)
     except RankError as e:
         first = str(e).splitlines()[0]
         if "did not finish" in first:
@@ -163,6 +166,9 @@ def _run_ring(fn, numel, seed):
         raise AssertionError(f"with a tensor of {numel} elements on {WORLD} ranks your ring failed: {first}. "
                              f"The chunks of torch.tensor_split may differ in size: give each receive buffer "
                              f"the shape of the chunk it receives (torch.empty_like(chunks[j]))") from None
+    for rank, r in enumerate(results):
+        require_finite(r["output"], f"rank {rank}'s t after your ring ({numel} elements)")
+    return results
 
 
 def _coefficients(results, rank, chunk):
@@ -195,7 +201,7 @@ def _diagnose(results):
                              "reduce-scatter phase alone - add the all-gather phase, which passes the summed chunks "
                              "around the ring (N - 1 more steps) so that every rank gets all of them")
     for (rank, j), (cs, resid) in sorted(table.items()):
-        if resid > 1e-4:
+        if not resid <= 1e-4:  # `not <=`: a NaN residual is no sum either
             raise AssertionError(f"chunk {j} on rank {rank} is not a sum of the ranks' chunks: check which chunk "
                                  f"each step sends and which it receives (rank r sends chunk (r - step) % N and "
                                  f"receives chunk (r - step - 1) % N in the reduce-scatter phase)")

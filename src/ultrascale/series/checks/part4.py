@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ultrascale.series.checks import on_ranks
+from ultrascale.series.checks import on_ranks, require_finite
 
 WORLD = 2
 
@@ -167,6 +167,7 @@ def exercise_1(fn, seeds=(1, 2)):
             missing = [k for k, g in res["grads"].items() if g is None]
             assert not missing, (f"rank {rank} has no gradient for {missing}: run the forward and "
                                  f"loss.backward() on this rank's micro-batch")
+            require_finite(res["grads"], f"rank {rank}'s gradients after overlapped_data_parallel")
         calls = [r["calls"] for r in results]
         used_ddp = any(c["kind"] == "ddp" for c in calls[0])
         mine = [[c for c in cs if c["kind"] != "ddp"] for cs in calls]
@@ -374,6 +375,8 @@ def exercise_2(fn, caps=(300, 100), seed=3):
     want = _single_process(bucket_model, seed, 8, 4, samples)
     for cap in caps:
         results = on_ranks(n, _ex2_on_rank, fn, cap, seed, samples)
+        for rank, r in enumerate(results):
+            require_finite(r["grads"], f"rank {rank}'s gradients after bucketed_all_reduce (cap_numel = {cap})")
         res = results[0]
         calls = [c for c in res["calls"] if c["kind"] != "ddp"]
         assert calls, "dist.all_reduce was never called: each bucket needs one all-reduce"

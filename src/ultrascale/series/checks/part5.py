@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ultrascale.series.checks import require_finite
+
 FOUR_M = 4 * 2**20
 
 
@@ -26,6 +28,7 @@ def _refuses(fn, *args) -> bool:
 
 def exercise_1(grad_accum_steps):
     got = grad_accum_steps(FOUR_M, 4096, 2, 128)
+    require_finite(got, "grad_accum_steps(4194304, 4096, 2, 128)")
     if got == FOUR_M // (2 * 128):
         raise AssertionError(f"you returned {got}: that divides tokens, not sequences - first turn the "
                              f"{FOUR_M:,} tokens into {FOUR_M // 4096} sequences of 4096 tokens, then divide by "
@@ -35,6 +38,7 @@ def exercise_1(grad_accum_steps):
     for args, want in (((FOUR_M, 4096, 2, 512), 1), ((FOUR_M, 4096, 1, 128), 8), ((FOUR_M, 2048, 2, 128), 8),
                        ((3 * 2**20, 4096, 3, 64), 4)):
         got = grad_accum_steps(*args)
+        require_finite(got, f"grad_accum_steps{args}")
         assert got == want and type(got) is int, f"grad_accum_steps{args} should be the int {want}, got {got!r}"
     # Each refusal below breaks exactly one rule, so an answer that checks another rule cannot pass it.
     assert _refuses(grad_accum_steps, FOUR_M, 4096, 2, 1024), (
@@ -115,6 +119,7 @@ def exercise_2(choose_layout):
         want = planner_choice(model, gpu, tokens, seq_len, gpus)
         call = f"choose_layout({tokens:,}, {seq_len}, {gpus}, max_mbs={max_mbs})"
         got = choose_layout(tokens, seq_len, gpus, max_mbs)
+        require_finite(got, f"what {call} returned")
         assert isinstance(got, tuple) and len(got) == 3 and all(type(v) is int for v in got), (
             f"{call} returned {got!r}: return a tuple of three ints (mbs, ga, dp)")
         mbs, ga, dp = got

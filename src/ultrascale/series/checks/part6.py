@@ -12,7 +12,7 @@ planner's figures for Llama 3 8B over N = 1..64 (bf16 and fp32 gradients).
 
 from __future__ import annotations
 
-from ultrascale.series.checks import RankError, on_ranks
+from ultrascale.series.checks import RankError, on_ranks, require_finite
 
 WORLD = 2
 STEPS = 3
@@ -124,6 +124,7 @@ def exercise_1(shard_parameters, zero1_step) -> None:
         assert g is not None, (
             f"after step 1 rank {rank}'s master shard has no .grad: set master.grad to this rank's slice "
             f"of the reduce-scattered gradient before optimizer.step()")
+        require_finite(g, f"rank {rank}'s master shard .grad after step 1")
         want = want_padded[lo[rank]:lo[rank] + size]
         assert g.shape == want.shape, f"rank {rank}'s master .grad has shape {tuple(g.shape)}, expected ({size},)"
         if torch.allclose(g, WORLD * want, rtol=1e-4, atol=1e-7) and not torch.allclose(g, want, atol=1e-7):
@@ -148,8 +149,9 @@ def exercise_1(shard_parameters, zero1_step) -> None:
                 f"parameter order, pad, reduce-scatter, divide by the world size")
     for rank, r in enumerate(got):
         p = r["params"]
+        require_finite(p, f"rank {rank}'s parameters after {STEPS} steps")
         diff = (p - want_params).abs()
-        if diff.max().item() > 1e-5:
+        if not diff.max().item() <= 1e-5:  # `not <=`: a NaN is off too
             mine = torch.zeros(n, dtype=torch.bool)
             mine[lo[rank]:min(lo[rank] + size, n)] = True
             start = _flat(_model().parameters())
@@ -202,6 +204,7 @@ def _compare(fn, psi, n, grad_bytes, want, where):
     got = fn(psi, n, grad_bytes=grad_bytes)
     assert isinstance(got, dict) and set(got) >= {"params", "grads", "optim"}, (
         "return a dict with the keys 'params', 'grads' and 'optim' (bytes per rank)")
+    require_finite({owner: float(got[owner]) for owner in ("params", "grads", "optim")}, f"your bytes for {where}")
     for owner in ("params", "grads", "optim"):
         g, w = float(got[owner]), float(want[owner])
         if abs(g - w) <= 2e-3 * w:

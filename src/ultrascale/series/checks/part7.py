@@ -14,7 +14,7 @@ ranks (counted by wrapping the collectives), with 1 and 2 micro-batches.
 
 from __future__ import annotations
 
-from ultrascale.series.checks import RankError, on_ranks
+from ultrascale.series.checks import RankError, on_ranks, require_finite
 
 WORLD = 2
 SIZES = (6, 8, 8, 3)  # three Linear layers: 56, 72 and 27 parameters (odd ones need padding)
@@ -166,6 +166,7 @@ def exercise_1(gather_linear, zero3_backward) -> None:
         assert r["reduce_scatter"] == n_layers, (
             f"rank {rank} called reduce_scatter {r['reduce_scatter']} times in backward for {n_layers} layers: "
             f"reduce-scatter each layer's flat gradient once, so each rank keeps only its shard")
+        require_finite(r["out"], f"rank {rank}'s output")
         rows = want_out.chunk(WORLD)[rank]
         diff = (r["out"] - rows).abs().max().item()
         assert diff < 1e-5, (
@@ -175,6 +176,7 @@ def exercise_1(gather_linear, zero3_backward) -> None:
         for i in range(n_layers):
             g = r["grads"][i]
             assert g is not None, f"layer {i}'s shard got no gradient on rank {rank}: return it from zero3_backward"
+            require_finite(g, f"layer {i}'s shard gradient on rank {rank}")
             flat = want_grads[i]
             size = flat.numel() // WORLD
             want = flat[rank * size:(rank + 1) * size]
@@ -203,6 +205,7 @@ def exercise_1(gather_linear, zero3_backward) -> None:
         # The rank's loss is the mean over its half of the batch: its input gradient is WORLD x the rows of
         # the whole-batch one (activation gradients are local; only parameter gradients are averaged).
         want_x = WORLD * want_gx.chunk(WORLD)[rank]
+        require_finite(gx, f"the gradient of the input on rank {rank}")
         assert gx is not None and (gx - want_x).abs().max().item() < 1e-5, (
             f"the gradient of the input on rank {rank} is wrong: return grad_out @ W for x, with the full "
             f"gathered weight W")
@@ -291,6 +294,7 @@ def exercise_2(fn) -> None:
             want = measured[stage, m]
             got = fn(stage, psi, WORLD, micro_batches=m, param_bytes=2, grad_bytes=4, psi_kept=kept)
             got = float(got)
+            require_finite(got, f"your count for {names[stage]} with {m} micro-batch{'es' if m > 1 else ''}")
             if abs(got - want) <= 2e-3 * want:
                 continue
             r = got / want

@@ -8,7 +8,7 @@ F.cross_entropy); the learner's functions only run on the ranks.
 
 from __future__ import annotations
 
-from ultrascale.series.checks import on_ranks
+from ultrascale.series.checks import on_ranks, require_finite
 
 WORLD = 2
 B, S, H, FFN = 2, 3, 8, 16  # the MLP: x [B, S, H], w1 [FFN, H], w2 [H, FFN]
@@ -76,6 +76,7 @@ def exercise_1(tp_mlp):
         assert tuple(got.shape) == tuple(out.shape), (
             f"rank {rank} returned shape {tuple(got.shape)}: after g every rank holds the whole output "
             f"{tuple(out.shape)}; the row-parallel linear maps its {n} features back to h = {H}")
+        require_finite(got, f"rank {rank}'s output")
         if not near(got, out):
             if near(got, own[0]):
                 raise AssertionError(f"rank {rank}'s output is only its own partial sum (through its {n} of "
@@ -95,6 +96,7 @@ def exercise_1(tp_mlp):
                                  f"operations (your f and g's .apply, not a detached copy)")
         if got_w1 is None or got_w2 is None:
             raise AssertionError(f"rank {rank}: no gradient reached w1_shard or w2_shard: use them in the forward")
+        require_finite([got_x, got_w1, got_w2], f"rank {rank}'s gradients of x, w1_shard and w2_shard")
         if near(got_x, WORLD * gx) and near(got_w1, WORLD * gw1[mine]):
             raise AssertionError(f"rank {rank}'s gradients are {WORLD}.000x the single-process ones: g's backward "
                                  f"is the identity (the output's gradient is already whole on every rank); "
@@ -195,6 +197,8 @@ def exercise_2(vocab_parallel_ce):
                                      f"[tokens, vocab] logits; all-reduce three numbers per token instead (the max, "
                                      f"the sum of exp, the target logit)")
             if not math.isfinite(got):
+                if not shift:  # logits of a few units: no exp() overflows here, so say what it is
+                    require_finite(got, f"rank {rank}'s loss")
                 raise AssertionError(f"with logits around {shift:.0f} rank {rank}'s loss is {got}: exp overflows; "
                                      f"subtract the max over the whole vocabulary (all-reduce MAX) before exp")
             if abs(got - want) <= 1e-4 * max(1.0, abs(want)):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ultrascale.series.checks import on_ranks
+from ultrascale.series.checks import on_ranks, require_finite
 
 WORLD = 2
 B, S, H, FFN = 2, 4, 8, 16  # x [B, S, H]; each rank holds S / WORLD positions
@@ -99,6 +99,7 @@ def exercise_1(sp_block):
         assert tuple(got.shape) == tuple(want.shape), (
             f"rank {rank} returned shape {tuple(got.shape)}; it holds positions {rows.start}..{rows.stop - 1} of "
             f"the sequence: {tuple(want.shape)} (all-gather and reduce-scatter along dim 1, the sequence)")
+        require_finite(got, f"rank {rank}'s output")
         if not near(got, want):
             partial = _block_reference(x, w1, w2, cot, cols=mine)[0]
             if near(got, x.double()[:, rows] + partial[:, rows]):
@@ -116,6 +117,7 @@ def exercise_1(sp_block):
         if got_x is None or got_w1 is None or got_w2 is None:
             raise AssertionError(f"rank {rank}: no gradient reached x_shard or the weights; build the output "
                                  f"with your autograd functions' .apply")
+        require_finite([got_x, got_w1, got_w2], f"rank {rank}'s gradients")
         if not (near(got_w1, gw1[mine]) and near(got_w2, gw2[:, mine])):
             masked = _block_reference(x, w1, w2, cot, cols=mine, cot_rows=rows)
             if near(got_w2, masked[3][:, mine]):
@@ -197,6 +199,7 @@ def exercise_2(activation_bytes_per_rank):
         for t, sp in ((1, False), (WORLD, False), (WORLD, True)):
             got = activation_bytes_per_rank(cfg, b, s, t, sp)
             assert got is not None, "return the number of bytes"
+            require_finite(got, f"your byte count for {cfg.name}, b={b}, s={s}, t={t}{' with SP' if sp else ''}")
             want = block_saved_bytes(cfg, b, s, 4) if t == 1 else block_activation_bytes_on_ranks(cfg, b, s, sp)
             if abs(got - want) <= 1e-9 * want:
                 continue
