@@ -12,6 +12,7 @@ import os
 import sys
 
 from ultrascale.config import ConfigError, build_config, load_toml
+from ultrascale.errors import Diverged
 
 # (flag, section, field, type, help). `bool` flags are switches; the TOML file uses the field names.
 TRAIN_FLAGS = [
@@ -286,8 +287,8 @@ def _fail_fast(cfg):
 
     try:
         yield
-    except ConfigError:
-        raise  # one line from main(), exit 2, as in a single process
+    except (ConfigError, Diverged):
+        raise  # one line from main() (exit 2, or 1 for a diverged run), as in a single process
     except Exception as e:  # noqa: BLE001 - reported, then the process ends
         import traceback
 
@@ -319,14 +320,14 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as e:
+    except (ConfigError, Diverged) as e:
         # In a multi-process run every rank finds the same mistake: say it once (under
         # `--nproc`, the launcher picks one rank's line; under torchrun, rank 0 says it).
         from ultrascale.distributed.launch import launched_locally
 
         if int(os.environ.get("RANK", "0")) == 0 or launched_locally():
             print(f"ultrascale: error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, Diverged) else 2  # a run that started and failed; a mistake found first
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -1,9 +1,16 @@
-"""The one exception a user sees: a configuration a run cannot start with.
+"""The exceptions a user sees as one line: a configuration a run cannot start with, and a run
+that left the finite numbers.
 
-It lives below everything else (config, model, parallel, train all raise it) so
-that no module has to import a higher layer to say what is wrong.
+They live below everything else (config, model, parallel, train all raise them) so that no
+module has to import a higher layer to say what is wrong.
 """
 
 
 class ConfigError(ValueError):
     """A configuration a run cannot start with; the message says what to change."""
+
+
+class Diverged(ArithmeticError):
+    """Training produced a NaN or an infinite gradient norm; the message names the step and what to
+    change. Raised before that step's update, so the parameters and every checkpoint are those of
+    the last finite step."""

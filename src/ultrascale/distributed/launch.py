@@ -390,8 +390,9 @@ class _Supervisor:
             return 128 + sig, lines
         if kind == "error":
             error = [line for line in self.tail(first, 200) if line.startswith("ultrascale: error:")]
-            if first.returncode == 2 and error:
-                return 2, [error[-1]]  # a configuration mistake found in a worker: one line, as before
+            if first.returncode in (1, 2) and error:
+                # A configuration mistake found in a worker (2), or a diverged run (1): its one line.
+                return first.returncode, [error[-1]]
             # Its traceback's end (its own one-line account repeats the cause line: left out).
             tail = [line for line in self.tail(first, TAIL_LINES + 1) if not line.startswith("ultrascale: ")]
             return first.returncode, ([f"ultrascale: rank {first.rank} failed with exit code {first.returncode}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ from ultrascale import parallel
 from ultrascale.config import RunConfig
 from ultrascale.distributed import failures
 from ultrascale.distributed.context import ParallelContext
+from ultrascale.errors import Diverged
 from ultrascale.model import build_model, flops_per_token
 from ultrascale.model.moe import moe_layers, step_loads, update_router_bias
 from ultrascale.spans import BACKWARD, FORWARD, OPTIMIZER, STEP, comm, span
@@ -148,6 +150,11 @@ class Trainer:
             # Unscale, and agree over every rank whether any gradient overflowed.
             scale = self.scaler.scale
             finite = self.scaler.unscale_and_check(self.grads.grads(), world=ctx.world_size > 1)
+            if not finite and scale <= self.scaler.min_scale:
+                # No smaller scale to try: every later step would overflow and be skipped too (DeepSpeed
+                # stops here as well).
+                raise Diverged(self._diverged(f"the gradients overflow fp16 at loss scale {scale:g}, the smallest",
+                                              lr_at(self.step, t)))
             self.scaler.update(finite)
         if self.keep_first_grads and self.first_grads is None:
             # The parallel algebra itself, before the optimizer can amplify or hide anything.
@@ -184,6 +191,8 @@ class Trainer:
         with span(OPTIMIZER):
             grads = self.grads.grads()
             grad_norm = clip_grad_norm_(grads, t.grad_clip, self._reduce_norm_sq, self.norm_shares)
+            if not math.isfinite(grad_norm):
+                raise Diverged(self._diverged(f"the gradient norm is {grad_norm}", lr))
             for group in self.opt.param_groups:
                 group["lr"] = lr
             self.main.attach_grads(grads)
@@ -191,6 +200,25 @@ class Trainer:
             self.main.detach_grads()
             self.main.copy_to_model()
         return grad_norm, lr
+
+    def _diverged(self, what: str, lr: float) -> str:
+        """Why the run stops: a NaN or infinite gradient would make every parameter NaN in this
+        update (Megatron's check for NaN in the loss and gradients), and an fp16 overflow at the
+        smallest loss scale would be skipped at every step from here on. Both are agreed over every
+        rank (the norm is reduced, the overflow flag too), so all of them stop here together, before
+        the update: the parameters, and every checkpoint, stay those of the step before. Resuming
+        would only diverge again (the same batches, the same schedule), so the line says what to
+        start again with."""
+        from ultrascale.train import checkpoint
+
+        t = self.cfg.train
+        step = checkpoint.saved_step(t.save) if t.save else None
+        kept = f" ({t.save} holds step {step}, from before it)" if step is not None else ""
+        also = ("" if t.grad_clip else ", with --grad-clip on") + {"bf16": ", or in fp32", "fp16": ", or in bf16"}.get(
+            t.dtype, "")
+        return (f"step {self.step + 1}: {what}: training diverged, and stopped before "
+                f"this step's update{kept}. Start again with a lower --lr (now {t.lr:g}, {lr:.3g} at this step) or "
+                f"a longer --warmup-steps (now {t.warmup_steps}){also}")
 
     def _moe_step(self) -> dict:
         """Loads of this step's tokens over all data ranks: the router bias update, and the metrics
