@@ -170,10 +170,6 @@ def test_ranks_are_forked_only_for_runs_that_cannot_touch_cuda():
 DIVERGING = ["--model", "tiny", "--seq-len", "16", "--no-progress", "--peak", "1", "--lr", "1e30", "--warmup-steps", "0"]
 
 
-def _error_lines(stderr):
-    return [line for line in stderr.splitlines() if line.startswith("ultrascale: error: ")]
-
-
 def test_a_diverged_run_stops_in_one_line_before_the_update_and_keeps_the_last_save(tmp_path):
     # lr 1e30: step 1 moves every weight by ~1e30, so step 2's activations overflow fp32.
     from ultrascale.train import integrity
@@ -181,10 +177,10 @@ def test_a_diverged_run_stops_in_one_line_before_the_update_and_keeps_the_last_s
 
     ck = str(tmp_path / "ck")
     r = ultrascale("train", *DIVERGING, "--steps", "6", "--nproc", "2", "--dp", "2", "--save", ck, "--save-every", "1")
-    assert r.returncode == 1 and "Traceback" not in r.stderr and "done:" not in r.stdout, r.stderr
-    [line] = _error_lines(r.stderr)
+    assert r.returncode == 1 and "done:" not in r.stdout, r.stderr
+    [line] = r.stderr.splitlines()  # one line: the rank logs are not kept for it
     assert re.fullmatch(rf"ultrascale: error: step 2: the gradient norm is (nan|inf): training diverged, and "
-                        rf"stopped before this step's update \({re.escape(ck)} holds step 1, from before it\)\. "
+                        rf"stopped before this step's update \({re.escape(ck)} holds step 1, saved before it\)\. "
                         rf"Start again with a lower --lr \(now 1e\+30, 1e\+30 at this step\) or a longer "
                         rf"--warmup-steps \(now 0\)", line), line
     # The save of step 1 is whole and finite, and nothing after it was written.
@@ -197,12 +193,12 @@ def test_fp16_overflowing_at_the_smallest_loss_scale_stops_instead_of_skipping_e
     # Step 1 is finite; steps 2 to 17 overflow at 2^16 ... 2 and are skipped, each halving the scale;
     # step 18 overflows at 1, with no scale left to try.
     r = ultrascale("train", *DIVERGING, "--steps", "40", "--dtype", "fp16", "--log-jsonl", str(tmp_path / "log"))
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    [line] = _error_lines(r.stderr)
+    assert r.returncode == 1, r.stderr
+    [line] = r.stderr.splitlines()
     assert re.fullmatch(r"ultrascale: error: step 18: the gradients overflow fp16 at loss scale 1, the smallest: "
                         r"training diverged, and stopped before this step's update\. Start again with a lower "
                         r"--lr \(now 1e\+30, [0-9.]+e\+29 at this step\) or a longer --warmup-steps \(now 0\), or "
-                        r"in bf16", line), line
+                        r"--dtype bf16", line), line
     logged = [json.loads(x) for x in open(tmp_path / "log")]
     assert [m["loss_scale"] for m in logged] == [2.0 ** 16] + [2.0 ** 16 / 2 ** k for k in range(16)]
     assert not logged[0]["skipped"] and all(m["skipped"] for m in logged[1:])

@@ -1,15 +1,11 @@
 """The harness itself: a failure or a hang on one rank fails the caller, with the traceback."""
 
-import selectors
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from ultrascale.testing.cli import read_until
 from ultrascale.testing.harness import DistributedError, WorkerPool
 
 
@@ -73,35 +69,3 @@ def test_an_unpicklable_result_or_a_dead_rank_fails_fast():
     finally:
         pool.close(kill=True)
 
-
-def _two_lines_in_one_write():
-    # Both lines reach the pipe in one write, as two ranks' lines do when they print together.
-    return subprocess.Popen([sys.executable, "-c", "import os, time; os.write(1, b'paused 0\\npaused 1\\n'); "
-                             "time.sleep(30)"], stdout=subprocess.PIPE)
-
-
-def test_read_until_sees_two_lines_that_arrive_in_one_write():
-    child = _two_lines_in_one_write()
-    try:
-        lines, short = read_until(child.stdout, lambda lines: len(lines) >= 2, limit=60)
-        assert short is None and lines == [b"paused 0", b"paused 1"]
-    finally:
-        child.kill()
-        child.wait()
-    # The wrong form, select() on the pipe and the buffered readline(): the first readline takes
-    # both lines off the pipe, so a select() waiting for the second never wakes.
-    child = _two_lines_in_one_write()
-    try:
-        sel = selectors.DefaultSelector()
-        sel.register(child.stdout, selectors.EVENT_READ)
-        assert sel.select(timeout=60)  # the child's one write is in the pipe
-        assert child.stdout.readline() == b"paused 0\n"
-        assert sel.select(timeout=1) == []  # nothing left in the pipe to signal...
-        assert child.stdout.readline() == b"paused 1\n"  # ...the second line was in the buffer all along
-    finally:
-        child.kill()
-        child.wait()
-    # A pipe that closes is "ended", with the lines before it.
-    done = subprocess.Popen([sys.executable, "-c", "print('only')"], stdout=subprocess.PIPE)
-    assert read_until(done.stdout, lambda lines: len(lines) >= 2, limit=60) == ([b"only"], "ended")
-    done.wait()

@@ -56,6 +56,23 @@ def _trainer(cfg):
     return Trainer(validate(cfg, 1), build_context(cfg.parallel, 0, 1))
 
 
+def test_an_overflow_at_the_smallest_scale_stops_the_run_and_blames_no_learning_rate_before_any_update():
+    from ultrascale.errors import Diverged
+
+    # Every step overflows at 2^40 (above); with 2^39 the smallest scale, step 2 has none left to try.
+    trainer = _trainer(train_cfg(steps=3, dtype="fp16", loss_scale_init=2.0 ** 40))
+    trainer.scaler.min_scale = 2.0 ** 39
+    before = trainer.full_state_dict()
+    with pytest.raises(Diverged) as stop:
+        trainer.fit()
+    assert str(stop.value) == (
+        "step 2: the gradients overflow fp16 at loss scale 5.49756e+11, the smallest: training diverged, and "
+        "stopped before this step's update. No update of this run came before it: look at the weights it started "
+        "from (--init-from, --resume) and the data, or train with --dtype bf16")
+    after = trainer.full_state_dict()
+    assert all(torch.equal(p, after[name]) for name, p in before.items()) and not trainer.opt.state
+
+
 def test_an_overflow_skips_the_step_and_backs_off_the_scale():
     # 2^40 times the loss overflows fp16's gradients (max 65504): each step is skipped on
     # inf/nan, the scale halves, and the parameters do not move.

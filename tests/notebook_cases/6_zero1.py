@@ -108,7 +108,7 @@ MISTAKES = [
         reduce_scatter(shard_grad, flat_grad)
         master.grad = shard_grad / world
         opt.step()
-        full = torch.full((padded,), float("nan"))  # NaN: a slot no rank filled would show
+        full = torch.full((padded,), float("nan"))  # torch.empty in a learner's code: NaN here, every run
         full[rank * master.numel():(rank + 1) * master.numel()] = master.detach()
         dist.all_reduce(full)  # every rank fills its own slice: the sum is the whole vector
         offset = 0

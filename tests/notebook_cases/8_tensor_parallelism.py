@@ -57,9 +57,11 @@ MISTAKES = [
     ("1", "f backward averages", "sums the partial gradients, it does not average",
      _mlp("grad = grad.contiguous().clone(); dist.all_reduce(grad); return grad / dist.get_world_size()",
           _REDUCE, "return grad")),
-    ("1", "f backward divides by the rank", "a NaN or an infinity in rank 0's gradients",
-     _mlp("grad = grad.contiguous().clone(); dist.all_reduce(grad); return grad / dist.get_rank()",
-          _REDUCE, "return grad")),
+    # all_reduce taken for a collective with a receive buffer: it reduces a fresh torch.empty_like
+    # (NaN here, the same every run) in place, and the partial sums never travel.
+    ("1", "g forward reduces a fresh buffer", "a NaN or an infinity in rank 0's output",
+     _mlp(_REDUCE_GRAD, "out = torch.full_like(partial, float('nan')); dist.all_reduce(out); return out",
+          "return grad")),
     ("2", "local max", "each rank shifted its logits by its own max", _CE % ("", " * mine", "mean")),
     ("2", "no mask on the target", "only the owner", _CE % (_MAX, "", "mean")),
     ("2", "sum over tokens", "F.cross_entropy averages", _CE % (_MAX, " * mine", "sum")),

@@ -65,14 +65,15 @@ def activation_bytes_per_rank(cfg, b, s, t, sp):
     return b * s * (norms + norm_outputs + inside)
 '''
 
-# g's forward zero-pads instead of all-gathering, and a hand-written RMSNorm (no eps) after it divides 0 by 0.
-_ZERO_OVER_ZERO = (_BLOCK % ("reduce_scatter", "reduce_scatter", "all_gather")).replace(
+# g's forward writes this rank's slice into the gathered buffer and never receives the others'
+# (torch.empty in a learner's code: NaN here, the same every run).
+_OWN_SLICE_ONLY = (_BLOCK % ("reduce_scatter", "reduce_scatter", "all_gather")).replace(
     "def forward(ctx, x):\n            return all_gather(x)",
-    "def forward(ctx, x):\n            return zero_pad(x)").replace(
-    "    normed = F.rms_norm(x_shard, (x_shard.shape[-1],))\n"
-    "    hidden = F.gelu(GatherSequence.apply(normed) @ w1_shard.t())",
-    "    gathered = GatherSequence.apply(x_shard)\n"
-    "    hidden = F.gelu(gathered / gathered.pow(2).mean(-1, keepdim=True).sqrt() @ w1_shard.t())")
+    "def forward(ctx, x):\n"
+    "            full = torch.full((x.shape[0], t * x.shape[1], x.shape[2]), float('nan'))\n"
+    "            mine = slice(dist.get_rank() * x.shape[1], (dist.get_rank() + 1) * x.shape[1])\n"
+    "            full[:, mine] = x\n"
+    "            return full")
 
 MISTAKES = [
     ("1", "g backward slices", "only holds the part through its own", _BLOCK % ("my_slice", "reduce_scatter",
@@ -90,7 +91,7 @@ MISTAKES = [
                                                                                   "(t if sp else 1)", "t")),
     ("2", "SP forgotten", "Under SP the norms run on the rank's s/t positions", _ACT % ("1", "1", "t")),
     ("2", "everything over t", "leaves the norms and their outputs whole", _ACT % ("t", "t", "t")),
-    ("1", "0/0 in a hand-written norm", "a NaN or an infinity in rank 0's output", _ZERO_OVER_ZERO),
+    ("1", "gathers its own slice only", "a NaN or an infinity in rank 0's output", _OWN_SLICE_ONLY),
     # `t * sp` is 0 without SP, not 1: a division by zero, inf in a float tensor.
     ("2", "divided by t * sp", "a NaN or an infinity in your byte count", '''
 def activation_bytes_per_rank(cfg, b, s, t, sp):

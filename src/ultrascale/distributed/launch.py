@@ -496,7 +496,8 @@ def launch_local(argv: list[str], nproc: int, threads_per_proc: int | None = Non
                                   f"--timeout {timeout_s:g} s (process state {state or '?'}); stopped all {nproc} ranks"]
             else:
                 code, lines = sup.describe_failure(who, stalled)
-            keep = code != 2
+            # A worker's one-line error (a configuration mistake, a diverged run) is the whole story.
+            keep = not (len(lines) == 1 and lines[0].startswith("ultrascale: error: "))
             if keep:
                 lines.append(f"ultrascale: every rank's output is in {sup.dir}/rank<N>.log")
             print("\n".join(lines), file=sys.stderr, flush=True)

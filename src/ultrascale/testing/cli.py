@@ -33,7 +33,8 @@ def read_until(pipe, enough, limit: float) -> tuple[list[bytes], str | None]:
             lines = data.split(b"\n")[:-1]
             if enough(lines):
                 return lines, None
-            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+            left = deadline - time.monotonic()  # a child that keeps writing other lines still runs out
+            if left <= 0 or not sel.select(timeout=left):
                 return lines, "timeout"
             chunk = os.read(fd, 1 << 16)
             if not chunk:

@@ -122,11 +122,15 @@ def _worse(a: float, b: float) -> bool:
 
 
 def worst(values) -> float:
-    worst = 0.0
-    for v in values:
-        if _worse(worst, v):
-            worst = v
-    return worst
+    """The largest of some errors, a NaN counting as the largest (max() would pass over it)."""
+    values = list(values)
+    if not values:
+        raise ValueError("worst() of no errors: nothing was compared")
+    found = values[0]
+    for v in values[1:]:
+        if _worse(found, v):
+            found = v
+    return found
 
 
 def compare(label: str, ref: RunRecord, got: RunRecord, record: bool = True) -> Comparison:
@@ -146,7 +150,7 @@ def compare(label: str, ref: RunRecord, got: RunRecord, record: bool = True) -> 
     mean, worst_param, abs_diff = 0.0, "-", 0.0
     for name, p in ref.state.items():
         diff = (got.state[name].float() - p.float()).abs()
-        abs_diff = worst([abs_diff, diff.max().item()])
+        abs_diff = worst([abs_diff, diff.max().item()])  # reported, NaN included
         r = diff.mean().item() / distance
         if _worse(mean, r) or worst_param == "-":
             mean, worst_param = r, name

@@ -104,6 +104,7 @@ class Trainer:
         # The ceiling of MFU, per device (--peak; measuring it is collective: every rank is here).
         self.peak, self.peak_source = run_peak(t.peak, ctx.device, t.dtype, ctx.world_size)
         self.step = 0
+        self.updates, self.saved_step = 0, None  # this run's optimizer updates and last save: what a divergence says
         if t.save or t.resume:
             # torch.distributed.checkpoint (and DTensor, sympy under it) costs a second per process to
             # import: only the runs that save or resume pay it.
@@ -197,6 +198,7 @@ class Trainer:
                 group["lr"] = lr
             self.main.attach_grads(grads)
             self.opt.step()
+            self.updates += 1
             self.main.detach_grads()
             self.main.copy_to_model()
         return grad_norm, lr
@@ -209,16 +211,16 @@ class Trainer:
         the update: the parameters, and every checkpoint, stay those of the step before. Resuming
         would only diverge again (the same batches, the same schedule), so the line says what to
         start again with."""
-        from ultrascale.train import checkpoint
-
         t = self.cfg.train
-        step = checkpoint.saved_step(t.save) if t.save else None
-        kept = f" ({t.save} holds step {step}, from before it)" if step is not None else ""
-        also = ("" if t.grad_clip else ", with --grad-clip on") + {"bf16": ", or in fp32", "fp16": ", or in bf16"}.get(
-            t.dtype, "")
-        return (f"step {self.step + 1}: {what}: training diverged, and stopped before "
-                f"this step's update{kept}. Start again with a lower --lr (now {t.lr:g}, {lr:.3g} at this step) or "
-                f"a longer --warmup-steps (now {t.warmup_steps}){also}")
+        kept = f" ({t.save} holds step {self.saved_step}, saved before it)" if self.saved_step else ""
+        head = f"step {self.step + 1}: {what}: training diverged, and stopped before this step's update{kept}. "
+        other_dtype = {"bf16": " or --dtype fp32", "fp16": " or --dtype bf16"}.get(t.dtype, "")
+        if not self.updates:  # nothing this run did moved the weights: the learning rate is not the cause
+            return (head + f"No update of this run came before it: look at the weights it started from "
+                    f"(--init-from, --resume) and the data{other_dtype and ', or train with' + other_dtype[3:]}")
+        also = ("" if t.grad_clip else ", with --grad-clip 1.0") + (other_dtype and "," + other_dtype)
+        return (head + f"Start again with a lower --lr (now {t.lr:g}, {lr:.3g} at this step) or a longer "
+                f"--warmup-steps (now {t.warmup_steps}){also}")
 
     def _moe_step(self) -> dict:
         """Loads of this step's tokens over all data ranks: the router bias update, and the metrics
@@ -305,6 +307,7 @@ class Trainer:
         from ultrascale.train import checkpoint
 
         checkpoint.save(path, self)
+        self.saved_step = self.step
 
     def _resume(self, path: str) -> None:
         """Continue from `path`, whatever layout wrote it (train/checkpoint.py)."""

@@ -38,8 +38,14 @@ def _non_finite(value) -> bool:
         return any(_non_finite(v) for v in value.values())
     if isinstance(value, (list, tuple)):
         return any(_non_finite(v) for v in value)
+    if not torch.is_tensor(value) and hasattr(value, "__array__"):  # a numpy array or scalar
+        try:
+            value = torch.as_tensor(value)
+        except (TypeError, RuntimeError):  # an array of objects: not numbers to judge
+            return False
     if torch.is_tensor(value):
-        return value.is_floating_point() and not bool(torch.isfinite(value).all())
+        # isfinite has no fp8 kernel: judge the values widened to fp32 (fp8's NaN stays NaN).
+        return value.is_floating_point() and not bool(torch.isfinite(value.float()).all())
     if isinstance(value, float):
         return not math.isfinite(value)
     return False

@@ -80,8 +80,9 @@ def exercise_1(flash_attention_forward):
             f"the output has shape {tuple(got.shape)}; one row per query, one column per value dimension: "
             f"{tuple(want.shape)}")
         if not torch.isfinite(got).all():
-            raise AssertionError("a NaN or an infinity in your output: subtract the running max before exp, and "
-                                 "start the running max at -inf only where it is combined with torch.maximum")
+            raise AssertionError("a NaN or an infinity in your output: subtract the new running max (after "
+                                 "torch.maximum with this block's) before exp, and start the running max at -inf "
+                                 "only where it is combined with torch.maximum")
         if max_rel_diff(got, want) <= 1e-4:
             if watch.full:
                 raise AssertionError(f"the output is right, but your code formed a [{m}, {n}] tensor: the scores of "

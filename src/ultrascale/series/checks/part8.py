@@ -197,8 +197,10 @@ def exercise_2(vocab_parallel_ce):
                                      f"[tokens, vocab] logits; all-reduce three numbers per token instead (the max, "
                                      f"the sum of exp, the target logit)")
             if not math.isfinite(got):
-                if not shift:  # logits of a few units: no exp() overflows here, so say what it is
-                    require_finite(got, f"rank {rank}'s loss")
+                if not shift:  # logits of a few units: no exp() overflows here
+                    raise AssertionError(f"a NaN or an infinity in rank {rank}'s loss, with logits of a few units "
+                                         f"where no exp() overflows: look for an inf or a NaN you put in (a -inf "
+                                         f"mask summed over the ranks) or a log of 0")
                 raise AssertionError(f"with logits around {shift:.0f} rank {rank}'s loss is {got}: exp overflows; "
                                      f"subtract the max over the whole vocabulary (all-reduce MAX) before exp")
             if abs(got - want) <= 1e-4 * max(1.0, abs(want)):
