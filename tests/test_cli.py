@@ -10,7 +10,7 @@ import pytest
 from ultrascale.distributed.launch import launch_local
 from ultrascale.testing.cli import jsonl_losses as losses
 from ultrascale.testing.cli import ultrascale
-from ultrascale.testing.compare import worst
+from ultrascale.testing.compare import FP32, worst
 
 TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--no-progress"]
 
@@ -182,7 +182,8 @@ def test_a_diverged_run_stops_in_one_line_before_the_update_and_keeps_the_last_s
     assert re.fullmatch(rf"ultrascale: error: step 2: the gradient norm is (nan|inf): training diverged, and "
                         rf"stopped before this step's update \({re.escape(ck)} holds step 1, saved before it\)\. "
                         rf"Start again with a lower --lr \(now 1e\+30, 1e\+30 at this step\) or a longer "
-                        rf"--warmup-steps \(now 0\)", line), line
+                        rf"--warmup-steps \(now 0\); or go back to step 1 with --resume {re.escape(ck)} "
+                        rf"--override-schedule and a lower --lr", line), line
     # The save of step 1 is whole and finite, and nothing after it was written.
     assert integrity.verify(ck)["step"] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     _, state = read_full_state(ck)
@@ -203,3 +204,28 @@ def test_fp16_overflowing_at_the_smallest_loss_scale_stops_instead_of_skipping_e
     assert [m["loss_scale"] for m in logged] == [2.0 ** 16] + [2.0 ** 16 / 2 ** k for k in range(16)]
     assert not logged[0]["skipped"] and all(m["skipped"] for m in logged[1:])
     assert not math.isfinite(logged[-1]["loss"])
+
+
+def test_override_schedule_resumes_with_another_learning_rate(tmp_path):
+    # The field's way back from a divergence: the last save, a lower lr. Steps 3-4 of an
+    # uninterrupted run at lr 3e-3, against steps 3-4 resumed from step 2 at lr 1e-3.
+    ck, straight, resumed = str(tmp_path / "ck"), str(tmp_path / "straight.jsonl"), str(tmp_path / "resumed.jsonl")
+    run = [*TINY, "--seed", "3", "--warmup-steps", "1"]
+    assert ultrascale("train", *run, "--steps", "4", "--log-jsonl", straight).returncode == 0
+    assert ultrascale("train", *run, "--steps", "2", "--save", ck).returncode == 0
+    r = ultrascale("train", "--resume", ck, "--steps", "4", "--lr", "1e-3", "--no-progress")
+    assert r.returncode == 2 and r.stderr == (
+        f"ultrascale: error: --resume {ck} was trained with --lr 0.003, this run asks for 0.001: drop --lr to "
+        f"continue the run, or add --override-schedule to continue it with this --lr\n")
+    r = ultrascale("train", "--resume", ck, "--steps", "4", "--lr", "1e-3", "--override-schedule", "--no-progress",
+                   "--log-jsonl", resumed)
+    assert r.returncode == 0, r.stderr
+    want, got = [json.loads(x) for x in open(straight)][2:], [json.loads(x) for x in open(resumed)]
+    # The schedule is lr times a curve of the step alone: the same curve, a third of the height.
+    assert [m["step"] for m in got] == [3, 4]
+    assert all(abs(g["lr"] / w["lr"] - 1 / 3) <= 1e-12 for g, w in zip(got, want))
+    # Step 3's forward runs on the weights of step 2, the same in both; its update is the first to differ.
+    assert abs(got[0]["loss"] - want[0]["loss"]) <= FP32.loss_rtol * want[0]["loss"]
+    assert abs(got[1]["loss"] - want[1]["loss"]) > 1e-4 * want[1]["loss"]
+    r = ultrascale("train", *run, "--steps", "2", "--override-schedule")
+    assert r.returncode == 2 and r.stderr.startswith("ultrascale: error: --override-schedule changes the schedule")

@@ -82,6 +82,9 @@ TRAIN_FLAGS = [
     ("--save", "train", "save", str, "checkpoint directory, written at the end (and every --save-every)"),
     ("--save-every", "train", "save_every", int, "also save every N steps"),
     ("--resume", "train", "resume", str, "checkpoint directory to continue from"),
+    ("--override-schedule", "train", "override_schedule", bool,
+     "with --resume: this run's --lr, --min-lr-ratio, --warmup-steps and --lr-decay-steps, not the checkpoint's "
+     "(back from a divergence with a lower --lr; the run then differs from one never interrupted)"),
     ("--init-from", "train", "init_from", str, "hf:DIR: start from a transformers Llama checkpoint (shape and weights)"),
     ("--log-jsonl", "train", "log_jsonl", str, "write one JSON object per step to this file"),
     ("--log-every", "train", "log_every", int, "print a line every N steps"),

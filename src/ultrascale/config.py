@@ -147,6 +147,9 @@ class TrainConfig:
     save: str = ""
     save_every: int = 0
     resume: str = ""
+    # With resume: the learning-rate schedule (SCHEDULE of train/resume.py) is this run's, not the
+    # checkpoint's: back from a divergence with a lower lr (Megatron's --override-opt_param-scheduler).
+    override_schedule: bool = False
     init_from: str = ""  # hf:DIR: start from a transformers checkpoint (its shape and weights)
     log_jsonl: str = ""
     pp_trace: str = ""  # write the last step's pipeline timeline here (JSON)
@@ -233,6 +236,9 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
 
     if t.resume and t.init_from:
         check_start(t.resume, t.init_from)
+    if t.override_schedule and not t.resume:
+        raise ConfigError("--override-schedule changes the schedule a checkpoint was trained with: use it with "
+                          "--resume DIR (a new run takes --lr and the rest as given)")
     parallel = cfg.parallel.resolve(world_size)
     tp = parallel.tp
     if cfg.model.heads % tp or cfg.model.kv_heads % tp:

@@ -30,6 +30,9 @@ READABLE = (2, 3)  # 2 is 3 without the file list: its tensors load the same, un
 SAME_TRAIN = ("seq_len", "seed", "data", "data_column", "data_split", "tokenizer", "dtype", "lr", "min_lr_ratio",
               "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "fp8",
               "loss_scale_window")
+# Of those, the learning-rate schedule: --override-schedule takes this run's (lr_at is a function
+# of the step and these alone, so the continuation simply follows the new curve from the saved step).
+SCHEDULE = ("lr", "min_lr_ratio", "warmup_steps", "lr_decay_steps")
 GRID = ("dp", "tp", "pp", "cp", "ep")
 
 
@@ -84,9 +87,13 @@ def check_resume(path: str, meta: dict, cfg) -> None:
             raise ConfigError(f"--resume {path} holds a model with {k} = {v}, this run asks for {here['model'].get(k)}"
                               f": resume with the checkpoint's model (drop --model and {_flag(k)})")
     for k in SAME_TRAIN:
+        if cfg.train.override_schedule and k in SCHEDULE:
+            continue
         if k in saved["train"] and here["train"][k] != saved["train"][k]:
+            other = (f", or add --override-schedule to continue it with this {_flag(k)}" if k in SCHEDULE
+                     else " (or start a new one)")
             raise ConfigError(f"--resume {path} was trained with {_flag(k)} {saved['train'][k]}, this run asks for "
-                              f"{here['train'][k]}: drop {_flag(k)} to continue the run (or start a new one)")
+                              f"{here['train'][k]}: drop {_flag(k)} to continue the run{other}")
     if global_batch(saved) != cfg.global_batch:
         raise ConfigError(f"--resume {path} was trained on {global_batch(saved)} sequences per step, this run on "
                           f"{cfg.global_batch} (micro-batch x grad-accum x dp): keep the global batch, e.g. drop "

@@ -208,9 +208,9 @@ class Trainer:
         update (Megatron's check for NaN in the loss and gradients), and an fp16 overflow at the
         smallest loss scale would be skipped at every step from here on. Both are agreed over every
         rank (the norm is reduced, the overflow flag too), so all of them stop here together, before
-        the update: the parameters, and every checkpoint, stay those of the step before. Resuming
-        would only diverge again (the same batches, the same schedule), so the line says what to
-        start again with."""
+        the update: the parameters, and every checkpoint, stay those of the step before. A plain
+        resume would only diverge again (the same batches, the same schedule): the line says what
+        to start again with, or how to go back to the last save with another schedule."""
         t = self.cfg.train
         kept = f" ({t.save} holds step {self.saved_step}, saved before it)" if self.saved_step else ""
         head = f"step {self.step + 1}: {what}: training diverged, and stopped before this step's update{kept}. "
@@ -219,8 +219,10 @@ class Trainer:
             return (head + f"No update of this run came before it: look at the weights it started from "
                     f"(--init-from, --resume) and the data{other_dtype and ', or train with' + other_dtype[3:]}")
         also = ("" if t.grad_clip else ", with --grad-clip 1.0") + (other_dtype and "," + other_dtype)
+        back = (f"; or go back to step {self.saved_step} with --resume {t.save} --override-schedule and a lower "
+                f"--lr" if self.saved_step else "")
         return (head + f"Start again with a lower --lr (now {t.lr:g}, {lr:.3g} at this step) or a longer "
-                f"--warmup-steps (now {t.warmup_steps}){also}")
+                f"--warmup-steps (now {t.warmup_steps}){also}{back}")
 
     def _moe_step(self) -> dict:
         """Loads of this step's tokens over all data ranks: the router bias update, and the metrics
