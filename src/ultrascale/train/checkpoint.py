@@ -246,14 +246,13 @@ def _raise_if_unwritable(e: BaseException, path: str) -> None:
     err = next((c for c in causes if isinstance(c, OSError)), None)
     if err is None:
         return
-    where, step = err.filename or path + ".tmp", saved_step(path)
+    where, step = err.filename or path + ".tmp", _saved_step(path)
     then = (f"{path} still holds step {step}: free space there (or pass another --save) and continue with "
             f"--resume {path}" if step is not None else "nothing was saved: free space there or pass another --save")
     raise ConfigError(f"--save {path}: cannot write {where}: {err.strerror or err}; {then}") from None
 
 
-def saved_step(path: str) -> int | None:
-    """The step the checkpoint in `path` holds, or None when there is none to read."""
+def _saved_step(path: str) -> int | None:
     try:
         with open(os.path.join(path, "meta.json")) as f:
             return json.load(f)["step"]

@@ -214,11 +214,11 @@ class Trainer:
         t = self.cfg.train
         kept = f" ({t.save} holds step {self.saved_step}, saved before it)" if self.saved_step else ""
         head = f"step {self.step + 1}: {what}: training diverged, and stopped before this step's update{kept}. "
-        other_dtype = {"bf16": " or --dtype fp32", "fp16": " or --dtype bf16"}.get(t.dtype, "")
+        wider = {"bf16": "fp32", "fp16": "bf16"}.get(t.dtype)  # a dtype with more range, if any
         if not self.updates:  # nothing this run did moved the weights: the learning rate is not the cause
             return (head + f"No update of this run came before it: look at the weights it started from "
-                    f"(--init-from, --resume) and the data{other_dtype and ', or train with' + other_dtype[3:]}")
-        also = ("" if t.grad_clip else ", with --grad-clip 1.0") + (other_dtype and "," + other_dtype)
+                    f"(--init-from, --resume) and the data" + (f", or train with --dtype {wider}" if wider else ""))
+        also = ("" if t.grad_clip else ", with --grad-clip 1.0") + (f", or --dtype {wider}" if wider else "")
         back = (f"; or go back to step {self.saved_step} with --resume {t.save} --override-schedule and a lower "
                 f"--lr" if self.saved_step else "")
         return (head + f"Start again with a lower --lr (now {t.lr:g}, {lr:.3g} at this step) or a longer "
