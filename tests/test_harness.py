@@ -69,3 +69,41 @@ def test_an_unpicklable_result_or_a_dead_rank_fails_fast():
     finally:
         pool.close(kill=True)
 
+
+
+# A process that starts a pool, says who serves it, then waits to be killed: no shutdown, no atexit.
+_OWNER = """
+import sys, time
+from multiprocessing import forkserver, resource_tracker
+from ultrascale.testing.harness import run_distributed, _POOLS
+assert run_distributed(2, abs, -3) == [3, 3]
+pids = [p.pid for p in _POOLS[2].procs] + [forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
+print(*pids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_pool_ends_with_the_process_that_started_it(tmp_path):
+    # Its workers' parent is the fork server, which lives as long as they do: a notebook kernel
+    # restarted, or a test runner killed, must not leave the server and its workers behind.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from ultrascale.distributed.failures import process_state
+
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 4 and all(process_state(p) not in (None, "Z") for p in pids), pids
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(process_state(p) not in (None, "Z") for p in pids):
+        time.sleep(0.1)
+    left = [p for p in pids if process_state(p) not in (None, "Z")]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert left == [], f"still running after their owner was killed: {left} of {pids}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import select
 import signal
 import sys
 import threading
@@ -164,6 +165,35 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+
+
+def die_with(pid: int) -> None:
+    """This process ends when process `pid` ends, whichever process is its parent.
+
+    A pool's workers are forked by multiprocessing's fork server, which is their parent and which
+    lives as long as any of them (each holds the server's alive-pipe): parent-death alone lets a
+    notebook kernel that is restarted, or a script that exits without closing its pool, leave a
+    server and every worker behind, a few hundred MB each. A thread waits for `pid` to end (a
+    pidfd on Linux 5.3+, else a poll each second) and ends this process."""
+
+    def watch():
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # already gone
+            os._exit(1)
+        except (AttributeError, OSError):  # no pidfd here: poll
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    os._exit(1)
+                except PermissionError:
+                    pass
+                time.sleep(1.0)
+        select.select([fd], [], [])  # readable once the process has ended
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ultrascale-die-with-owner", daemon=True).start()
 
 
 def name_process(name: str) -> None:

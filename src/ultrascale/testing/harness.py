@@ -29,10 +29,13 @@ class DistributedError(RuntimeError):
     """A function failed (or hung) on at least one rank."""
 
 
-def _worker(rank: int, world: int, port: int, tasks, results):
-    from ultrascale.distributed.failures import die_with_parent
+def _worker(rank: int, world: int, port: int, tasks, results, owner: int):
+    from ultrascale.distributed.failures import die_with, die_with_parent
 
-    die_with_parent()  # a test runner killed mid-run leaves no pool behind
+    # No pool outlives the process that started it (a killed test runner, a restarted notebook
+    # kernel): its parent is the fork server, which outlives the owner, so watch the owner itself.
+    die_with_parent()
+    die_with(owner)
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
@@ -78,7 +81,8 @@ class WorkerPool:
         port = free_port()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
+        owner = os.getpid()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results, owner),
                                   daemon=True) for r in range(world_size)]
         for p in self.procs:
             p.start()
