@@ -16,7 +16,7 @@ TINY = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "4", "--no-progre
 
 
 def test_train_runs_and_logs(tmp_path):
-    r = ultrascale("train", *TINY, "--steps", "3", "--log-jsonl", str(tmp_path / "a.jsonl"))
+    r = ultrascale("train", *TINY, "--steps", "3", "--log-jsonl", str(tmp_path / "a.jsonl"), fresh=True)
     assert r.returncode == 0, r.stderr
     assert "step     1 | loss" in r.stdout and "done: 3 steps" in r.stdout
     assert len(losses(tmp_path / "a.jsonl")) == 3
@@ -112,7 +112,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
                                           (["--nproc", "4", "--cp", "4", "--cp-attention", "ulysses",
                                             "--kv-heads", "2"], "must divide the 8 query heads and the 2 key/value")])
 def test_bad_input_in_a_real_process(tmp_path, args, message):
-    r = ultrascale("train", *TINY, "--steps", "2", *args, "--save", str(tmp_path / "ck"), cwd=tmp_path)
+    r = ultrascale("train", *TINY, "--steps", "2", *args, "--save", str(tmp_path / "ck"), cwd=tmp_path, fresh=True)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr

@@ -57,11 +57,13 @@ def _worker(rank: int, world: int, port: int, tasks, results, owner: int):
     dist.destroy_process_group()
 
 
-# What every worker imports, imported once in the server its workers are forked from.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ultrascale.train.trainer", "ultrascale.testing.compare"]
+# What every worker imports, imported once in the server its workers are forked from (and the
+# command line, whose runs testing/cli.py forks from the same server).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ultrascale.train.trainer", "ultrascale.testing.compare",
+            "ultrascale.cli"]
 
 
-def _start_method():
+def warm_context():
     """A new process that imports torch costs seconds of CPU; a pool of 4 started with `spawn` pays
     that four times, and every restart of a pool again. `forkserver` pays it once per caller: one
     server imports torch (and what workers run) and forks each worker from that state, which holds
@@ -77,7 +79,7 @@ def _start_method():
 class WorkerPool:
     def __init__(self, world_size: int):
         self.world_size = world_size
-        ctx = _start_method()
+        ctx = warm_context()
         port = free_port()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
