@@ -10,7 +10,8 @@ from ultrascale.testing.cli import forked, jsonl_losses, ultrascale
 SCRIPT = """
 import atexit, os, sys, tempfile
 atexit.register(lambda: print("exit handler ran"))
-print("argv", sys.argv[1:], "cwd", os.path.basename(os.getcwd()), "X", os.environ.get("X"), "HOME", os.environ.get("HOME"))
+print("argv", sys.argv[1:], "cwd", os.path.basename(os.getcwd()))
+print("X", os.environ.get("X"), "HOME", os.environ.get("HOME"))
 print("tmp", tempfile.gettempdir() == os.environ.get("TMPDIR"), "stdin", repr(sys.stdin.read()))
 print("main", __name__, "path", os.path.basename(sys.path[0]))
 how = sys.argv[1]
@@ -57,4 +58,5 @@ def test_the_command_line_forked_prints_and_exits_as_from_a_shell(tmp_path):
     for fresh in (True, False):
         r = ultrascale("train", "--steps", "ten", fresh=fresh)
         assert r.returncode == 2 and r.stdout == "", r
-        assert r.stderr == "ultrascale: error: argument --steps: invalid int value: 'ten' (see `ultrascale train --help`)\n"
+        assert r.stderr == ("ultrascale: error: argument --steps: invalid int value: 'ten' "
+                            "(see `ultrascale train --help`)\n")

@@ -77,7 +77,8 @@ import sys, time
 from multiprocessing import forkserver, resource_tracker
 from ultrascale.testing.harness import run_distributed, _POOLS
 assert run_distributed(2, abs, -3) == [3, 3]
-pids = [p.pid for p in _POOLS[2].procs] + [forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
+pids = [p.pid for p in _POOLS[2].procs]
+pids += [forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
 print(*pids, flush=True)
 time.sleep(600)
 """
