@@ -108,3 +108,34 @@ def test_a_pool_ends_with_the_process_that_started_it(tmp_path):
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert left == [], f"still running after their owner was killed: {left} of {pids}"
+
+
+_CHECKER = """
+import sys
+from ultrascale.series.multirank import run_as_ranks
+run_as_ranks([(0, "import time\\ntime.sleep(600)")], [], timeout=600)
+"""
+
+
+def test_the_ranks_of_a_notebook_check_end_with_the_check(tmp_path):
+    # `notebook import` runs a notebook's cells as 2 plain processes: interrupted, it leaves none.
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    checker = subprocess.Popen([sys.executable, "-c", _CHECKER])
+    try:
+        deadline, ranks = time.monotonic() + 60, []
+        while time.monotonic() < deadline and len(ranks) < 2:
+            ranks = [p for p in psutil.Process(checker.pid).children() if "multirank" in " ".join(p.cmdline())]
+            time.sleep(0.1)
+        assert len(ranks) == 2
+    finally:
+        checker.send_signal(signal.SIGKILL)
+        checker.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=30)
+    for p in alive:
+        p.kill()
+    assert alive == [], f"still running after the check was killed: {alive}"

@@ -123,6 +123,9 @@ def _error(e: BaseException) -> str:
 
 
 def main(argv=None) -> int:
+    from ultrascale.distributed.failures import die_with_parent
+
+    die_with_parent()  # a check interrupted (Ctrl-C, a killed generator) leaves no rank waiting in a collective
     spec_path, out_path = (argv or sys.argv[1:])[:2]
     with open(spec_path) as f:
         spec = json.load(f)
