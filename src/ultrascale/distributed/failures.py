@@ -210,14 +210,20 @@ def name_process(name: str) -> None:
         pass
 
 
-def start_worker_supervision() -> None:
-    """In a worker of `launch_local`: named after its rank, die with the launcher, and beat."""
-    name_process(f"ultrascale-r{os.environ.get('RANK', '?')}")
+def die_with_launcher() -> None:
+    """In a process started with ENV_LAUNCHER_PID set: die with that process, also when it ended
+    before this one could ask (its parent is then another process already)."""
     launcher = os.environ.get(ENV_LAUNCHER_PID)
     if launcher and sys.platform.startswith("linux"):
         die_with_parent()
         if os.getppid() != int(launcher):  # the launcher is already gone
             os._exit(1)
+
+
+def start_worker_supervision() -> None:
+    """In a worker of `launch_local`: named after its rank, die with the launcher, and beat."""
+    name_process(f"ultrascale-r{os.environ.get('RANK', '?')}")
+    die_with_launcher()
     path = os.environ.get(ENV_HEARTBEAT)
     if path:
         _progress["fd"] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)

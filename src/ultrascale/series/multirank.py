@@ -26,7 +26,6 @@ import time
 import traceback
 
 WORLD = 2
-_CHECK_PID = "ULTRASCALE_CHECK_PID"  # the process the ranks die with
 _MAGIC = re.compile(r"^\s*[%!]")
 
 
@@ -38,6 +37,7 @@ def run_as_ranks(cells: list[tuple[int, str]], exercises: list[tuple[int, str, s
                  world: int = WORLD) -> list[str]:
     """Execute `cells` ((index, source)) then each exercise ((k, solution, check function)) on `world`
     processes; one line per problem, naming the cell or exercise and the rank."""
+    from ultrascale.distributed.failures import ENV_LAUNCHER_PID
     from ultrascale.distributed.launch import free_port
 
     with tempfile.TemporaryDirectory(prefix="ultrascale-ranks-") as tmp:
@@ -48,7 +48,8 @@ def run_as_ranks(cells: list[tuple[int, str]], exercises: list[tuple[int, str, s
         err_files = [open(os.path.join(tmp, f"rank{r}.err"), "w+") for r in range(world)]
         for rank in range(world):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), OMP_NUM_THREADS="1", MPLBACKEND="Agg", **{_CHECK_PID: str(os.getpid())})
+                       MASTER_PORT=str(port), OMP_NUM_THREADS="1", MPLBACKEND="Agg")
+            env[ENV_LAUNCHER_PID] = str(os.getpid())  # the ranks die with this check
             procs.append(subprocess.Popen([sys.executable, "-m", "ultrascale.series.multirank", spec,
                                            os.path.join(tmp, f"rank{rank}.json")], env=env, cwd=tmp,
                                           stdout=subprocess.DEVNULL, stderr=err_files[rank]))
@@ -124,11 +125,9 @@ def _error(e: BaseException) -> str:
 
 
 def main(argv=None) -> int:
-    from ultrascale.distributed.failures import die_with_parent
+    from ultrascale.distributed.failures import die_with_launcher
 
-    die_with_parent()  # a check interrupted (Ctrl-C, a killed generator) leaves no rank waiting in a collective
-    if str(os.getppid()) != os.environ.get(_CHECK_PID, str(os.getppid())):
-        return 1  # the check ended before this rank could ask to die with it
+    die_with_launcher()  # a check interrupted (Ctrl-C, a killed generator) leaves no rank waiting in a collective
     spec_path, out_path = (argv or sys.argv[1:])[:2]
     with open(spec_path) as f:
         spec = json.load(f)
