@@ -14,9 +14,10 @@ rank holds: whole parameters, tensor-parallel slabs, ZeRO flat pieces cut into
 rectangles). DCP's own resharding then gives every rank of any other layout
 exactly the elements it holds, and the standard tools read it:
 `python -m torch.distributed.checkpoint.format_utils dcp_to_torch_save DIR out.pt`
-gives one file of full tensors. Adam's step count is the training step (AdamW
-steps once per training step), kept in meta.json with the data position: the
-batches are a pure function of (seed, step).
+gives one file of full tensors. meta.json keeps the training step (the data
+position: the batches are a pure function of (seed, step)) and Adam's own step
+count beside it: the updates made, fewer than the steps when fp16 skipped some
+(an overflow skips the update, and Adam's bias correction counts updates).
 
 A checkpoint knows when it is damaged (train/integrity.py): every reader checks
 that each listed file is there with its size, and `ultrascale train --resume` and
@@ -179,6 +180,10 @@ def save(path: str, trainer) -> None:
         os.makedirs(tmp)
     ctx.barrier()
     try:
+        if any(not trainer.opt.state[m] for g in trainer.opt.param_groups for m in g["params"]):
+            # No update yet (a save before any step, or after fp16 skipped them all): AdamW has not made
+            # its state; a fresh one (zero moments, no updates) is what the next update would start from.
+            _ensure_adam_state(trainer.opt, trainer.optimizer_steps)
         chunks, shapes = _optimizer_chunks(trainer, writing=True)
         biases = _router_biases(trainer)
         with _quiet():
@@ -186,7 +191,8 @@ def save(path: str, trainer) -> None:
                      planner=_ChunkSavePlanner(chunks, shapes), no_dist=not ctx.is_distributed)
         files = _describe_files(tmp, ctx)  # rank 0 waits here for every rank's part
         if ctx.rank == 0:
-            meta = {"format": FORMAT, "step": trainer.step, "world_size": ctx.world_size, "files": files,
+            meta = {"format": FORMAT, "step": trainer.step, "optimizer_steps": trainer.optimizer_steps,
+                    "world_size": ctx.world_size, "files": files,
                     "config": trainer.cfg.to_dict(), **({"router_bias": biases} if biases else {}),
                     **({"loss_scale": trainer.scaler.state_dict()} if trainer.scaler is not None else {})}
             _write_meta(os.path.join(tmp, "meta.json"), meta)
@@ -307,7 +313,9 @@ def load(path: str, trainer) -> int:
     Every listed file is checked for its size here, on each rank (read_meta); the checksums
     were checked once before the run started (`ultrascale train`), or call `integrity.verify`."""
     meta = read_meta(path)
-    _ensure_adam_state(trainer.opt, meta["step"])
+    # Adam's count of updates; a checkpoint written before it was kept counted every step as one.
+    trainer.optimizer_steps = meta.get("optimizer_steps", meta["step"])
+    _ensure_adam_state(trainer.opt, trainer.optimizer_steps)
     chunks, _ = _optimizer_chunks(trainer, writing=False)
     with _quiet():
         dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(chunks),

@@ -30,11 +30,13 @@ class DynamicLossScaler:
         return loss * self.scale
 
     @torch.no_grad()
-    def unscale_and_check(self, grads: list[torch.Tensor], world: bool) -> bool:
+    def unscale_and_check(self, grads: list[torch.Tensor], world: bool, applied: float | None = None) -> bool:
         """Divide this rank's fp32 gradients by the scale; True when every rank's are finite.
 
-        world: all-reduce the verdict over the default process group (every rank of the run)."""
-        inv = 1.0 / self.scale
+        world: all-reduce the verdict over the default process group (every rank of the run).
+        applied: what backward was scaled by, when not the scale itself (the trainer divides it by
+        the data-parallel ranks that average the gradients, so one process's overflows are theirs)."""
+        inv = 1.0 / (self.scale if applied is None else applied)
         found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
         for g in grads:
             g.mul_(inv)

@@ -80,9 +80,6 @@ class Trainer:
         apply_recompute(self.model, t.recompute)
         parallel.compile_model(self.model, cfg)  # --compile: after sharding and recomputation, before dp
         self.moe = moe_layers(self.model)
-        for m in self.moe:
-            # The aux losses join each micro-batch's loss as the loss does: divided by their number.
-            m.aux_scale = 1.0 / t.grad_accum
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for p in self.model.parameters() if p.requires_grad]
         # The gradient owner also casts the model to the compute dtype and makes the
@@ -105,6 +102,9 @@ class Trainer:
         self.peak, self.peak_source = run_peak(t.peak, ctx.device, t.dtype, ctx.world_size)
         self.step = 0
         self.updates, self.saved_step = 0, None  # this run's optimizer updates and last save: what a divergence says
+        # AdamW's updates since the run began, resumes included: its bias correction counts these, not
+        # the steps (an fp16 step that overflowed is skipped); a checkpoint keeps it.
+        self.optimizer_steps = 0
         if t.save or t.resume:
             # torch.distributed.checkpoint (and DTensor, sympy under it) costs a second per process to
             # import: only the runs that save or resume pay it.
@@ -117,9 +117,25 @@ class Trainer:
             checkpoint.check_shared(t.save, ctx)  # before any work, not after the last step
 
     # -- one step -----------------------------------------------------------
+    def backward_scale(self) -> float:
+        """What each rank's backward starts from, besides 1 / micro-batches: 1 without fp16; with it,
+        the loss scale divided by the dp x cp ranks whose gradients are averaged. Each of those
+        ranks' losses is the mean over its own share of the global batch, dp x cp times its share of
+        the global mean, and the average divides that away only after backward: without the
+        division every fp16 gradient in backward would be dp x cp times one process's, and
+        overflow (and skip the step) where one process does not. With it, each micro-batch's
+        backward carries what one process's carries, and the overflow decision is one process's."""
+        if self.scaler is None:
+            return 1.0
+        return self.scaler.scale / self.ctx.size("dp_cp")
+
     def forward_backward(self, micro_batches) -> float:
         """Run every micro-batch (inputs, targets, positions); return the mean loss of this rank's micro-batches."""
-        scale = self.scaler.scale if self.scaler is not None else 1.0
+        scale = self.backward_scale()
+        for m in self.moe:
+            # The balance losses join each micro-batch's loss as the loss does: scaled, and divided by
+            # the micro-batches (their gradient is injected in backward, past the loss's scaling).
+            m.aux_scale = scale / self.cfg.train.grad_accum
         if self.pipeline is not None:
             self.pipeline.loss_scale = scale
             return self.pipeline.run(micro_batches)
@@ -150,7 +166,8 @@ class Trainer:
         if self.scaler is not None:
             # Unscale, and agree over every rank whether any gradient overflowed.
             scale = self.scaler.scale
-            finite = self.scaler.unscale_and_check(self.grads.grads(), world=ctx.world_size > 1)
+            finite = self.scaler.unscale_and_check(self.grads.grads(), world=ctx.world_size > 1,
+                                                   applied=self.backward_scale())
             if not finite and scale <= self.scaler.min_scale:
                 # No smaller scale to try: every later step would overflow and be skipped too (DeepSpeed
                 # stops here as well).
@@ -199,6 +216,7 @@ class Trainer:
             self.main.attach_grads(grads)
             self.opt.step()
             self.updates += 1
+            self.optimizer_steps += 1
             self.main.detach_grads()
             self.main.copy_to_model()
         return grad_norm, lr
