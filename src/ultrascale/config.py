@@ -361,6 +361,13 @@ def check_offload(p: ParallelConfig) -> None:
 
 
 def check_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
+    if model.is_moe and model.capacity_factor and (parallel.cp > 1 or parallel.sp):
+        # Which assignments an expert drops is decided over the whole micro-batch's scores (ties by
+        # position); a rank holding a shard of each sequence sees only its own.
+        how = f"--cp {parallel.cp}" if parallel.cp > 1 else "--sp"
+        raise ConfigError(f"--capacity-factor {model.capacity_factor:g} with {how}: each rank holds a shard of "
+                          f"every sequence, and the tokens an expert drops are chosen over the whole "
+                          f"micro-batch; run dropless (--capacity-factor 0) or without sharding the sequence")
     ep = parallel.ep
     if ep == 1:
         return

@@ -15,11 +15,19 @@ dropless.
 
 Balance: the Switch load-balancing loss E * sum_e f_e * P_e (f_e: fraction of the
 assignments to e, P_e: mean score of e) and the router z-loss mean(logsumexp^2)
-are added to the loss by their coefficients (their gradient is injected in
+over the micro-batch's tokens are added to the loss by their coefficients (their gradient is injected in
 backward, so neither the trainer nor the pipeline schedule carry them); or, with
 router_bias_rate, DeepSeek-V3's aux-loss-free balancing: a per-expert bias added
 to the scores for the choice only, moved after each optimizer step towards the
 mean load (`update_router_bias`).
+
+When other ranks hold the rest of each micro-batch's tokens (context parallelism's
+sequence shards, sequence parallelism's), `shard_tokens` gives the layer a sum over
+them: the loads f_e are the micro-batch's, and each rank's term of the losses is its
+tokens' part of the micro-batch's loss (Megatron reduces the router's statistics
+over the tp x cp group the same way). Capacity needs the whole micro-batch's scores
+in one place, so a layout that shards the sequence runs dropless (config.py refuses
+the rest).
 """
 
 from __future__ import annotations
@@ -132,6 +140,9 @@ class MoE(nn.Module):
         self.register_buffer("router_bias", torch.zeros(cfg.experts))
         self.dispatch = local_dispatch
         self.aux_scale = 1.0  # d(loss)/d(coef * aux): 1 / micro-batches per step, set by the trainer
+        # The other ranks holding this micro-batch's tokens (shard_tokens): a sum over them, how many
+        # share the tokens, and what this rank's term of the losses is multiplied by.
+        self.shard_reduce, self.token_shards, self.loss_share = None, 1, 1
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -192,15 +203,34 @@ class MoE(nn.Module):
 
     def balance_loss(self, idx, keep, scores, logits):
         """coef * Switch load-balancing loss + coef * z-loss over this micro-batch's tokens, or None.
-        Both are recorded for the metrics, with the loads, even when not trained on."""
-        c = self.cfg
-        t = idx.shape[0]
-        counts = torch.bincount(idx.flatten(), minlength=self.n_experts).float()
+        Both are recorded for the metrics, with the loads, even when not trained on.
+
+        With the micro-batch's tokens shared by other ranks (shard_tokens), the loads are summed
+        over them first, and this rank's term is its tokens' part of the micro-batch's losses:
+        the terms of all of them add up to the losses one process computes."""
+        c, e = self.cfg, self.n_experts
+        counts = torch.bincount(idx.flatten(), minlength=e).float()
         probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores normalised per token, as DeepSeek
-        aux = self.n_experts * (counts / (t * self.top_k) * probs.mean(0)).sum()
-        z = logits.logsumexp(-1).pow(2).mean()
+        lse2 = logits.logsumexp(-1).pow(2)
+        if self.shard_reduce is None:
+            t = idx.shape[0]
+            aux = e * (counts / (t * self.top_k) * probs.mean(0)).sum()
+            z = lse2.mean()
+            whole_aux, whole_z = aux, z
+        else:
+            t = idx.shape[0] * self.token_shards  # the micro-batch's tokens, over the ranks that share them
+            probs_sum, z_sum = probs.sum(0), lse2.sum()
+            with torch.no_grad():  # one collective for the loads and the metrics' sums
+                whole = self.shard_reduce(torch.cat([counts, probs_sum.detach(), z_sum.detach()[None]]))
+            load = whole[:e] / (t * self.top_k)
+            # Ranks whose gradients are averaged (not summed) count their part loss_share times.
+            aux = e * (load * probs_sum).sum() / t * self.loss_share
+            z = z_sum / t * self.loss_share
+            whole_aux, whole_z = e * (load * whole[e:2 * e]).sum() / t, whole[-1] / t
         with torch.no_grad():
-            row = torch.cat([counts, torch.stack([(~keep).sum().float(), aux, z, torch.ones_like(z)])]).double()
+            # The loads are this rank's (the trainer sums them over the ranks), the losses the micro-batch's.
+            row = torch.cat([counts, torch.stack([(~keep).sum().float(), whole_aux.detach(), whole_z.detach(),
+                                                  torch.ones_like(z)])]).double()
             if self.stats.device != row.device:
                 self.stats = self.stats.to(row.device)
             self.stats += row
@@ -211,6 +241,24 @@ class MoE(nn.Module):
 
 def moe_layers(model) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def shard_tokens(model, reduce_sum, ranks: int, averaged: bool) -> None:
+    """Every MoE layer's tokens of a micro-batch are also on `ranks` - 1 other ranks (their shards of
+    the same sequences): `reduce_sum(t)` sums a tensor over them. averaged: their gradients are
+    averaged afterwards (context parallelism, within dp x cp), not summed (sequence parallelism,
+    within tp), so each rank's part of the balance losses counts `ranks` times. Composes: two
+    calls give the product of both groups."""
+    for m in moe_layers(model):
+        inner = m.shard_reduce
+
+        def reduce(t, inner=inner):
+            t = reduce_sum(t)
+            return inner(t) if inner is not None else t
+
+        m.shard_reduce = reduce
+        m.token_shards *= ranks
+        m.loss_share *= ranks if averaged else 1
 
 
 @torch.no_grad()

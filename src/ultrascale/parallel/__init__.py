@@ -35,7 +35,7 @@ from __future__ import annotations
 def shard_model(ctx, cfg):
     """The transform that turns the single-device model into this rank's part of it:
     first the pipeline split (keep this rank's layers), then tensor parallelism, then
-    context parallelism, then
+    context parallelism (and the MoE loads summed over the shards of a sequence), then
     expert parallelism (keep this rank's experts)."""
     steps = []
     if ctx.size("pp") > 1:
@@ -55,6 +55,10 @@ def shard_model(ctx, cfg):
         from ultrascale.parallel.context import apply_context_parallel
 
         steps.append(lambda model: apply_context_parallel(model, ctx, cfg.parallel.cp_attention))
+    if cfg.model.is_moe and (ctx.size("cp") > 1 or cfg.parallel.sp):
+        from ultrascale.parallel.expert import share_token_loads
+
+        steps.append(lambda model: share_token_loads(model, ctx, cfg.parallel.sp))
     if ctx.size("ep") > 1:
         from ultrascale.parallel.expert import apply_expert_parallel
 

@@ -172,3 +172,26 @@ def gather_experts(param, tensor, ctx):
     parts = [torch.empty_like(tensor) for _ in range(ctx.size("ep"))]
     dist.all_gather(parts, tensor.contiguous(), group=ctx.group("ep"))
     return torch.cat(parts)
+
+
+def share_token_loads(model, ctx, sequence_parallel: bool):
+    """The MoE layers' balance losses over the whole micro-batch when its tokens are sharded:
+    context parallelism cuts every sequence over cp (gradients averaged over dp x cp), sequence
+    parallelism each cp shard over tp (the router's gradients summed over tp, like the norms'). The
+    loads are summed over both (Megatron reduces the router's statistics over tp x cp)."""
+    from ultrascale.model.moe import shard_tokens
+
+    if ctx.size("cp") > 1:
+        shard_tokens(model, _summed_over(ctx.group("cp")), ctx.size("cp"), averaged=True)
+    if sequence_parallel and ctx.size("tp") > 1:
+        shard_tokens(model, _summed_over(ctx.group("tp")), ctx.size("tp"), averaged=False)
+    return model
+
+
+def _summed_over(group):
+    def reduce(t):
+        with comm("moe.loads_all_reduce"):
+            dist.all_reduce(t, group=group)
+        return t
+
+    return reduce

@@ -1,8 +1,10 @@
 """Context parallelism: every sequence cut into cp shards, attention computed across them.
 
 Only attention mixes tokens, so only attention needs the other shards: the
-embedding, norms, MLP, head and loss run on a rank's own tokens unchanged. The
-model is left as it is; two things change around it:
+embedding, norms, MLP, head and loss run on a rank's own tokens unchanged (an
+MoE layer's balance losses, statistics of the whole micro-batch, sum their loads
+over the cp ranks: parallel/expert.py `share_token_loads`). The model is left as
+it is; two things change around it:
 - the batch: each micro-batch's inputs and targets are cut to this rank's shard
   of the sequence, and RoPE is given their global positions (sharding.py);
 - each block's `core_attention` is swapped for one of four variants:
