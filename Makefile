@@ -44,6 +44,16 @@ test: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache
 
+# Every valid combination of the engine's features (about 5 x 10^4 cells, ~1-2 s each on 2 cores),
+# each against one process, with inductor for the compiled ones; resumable (cells already in the
+# results file are skipped) and shardable over machines: make matrix SHARD=2/4. `make test` runs the
+# covering set of every pair instead (tests/test_matrix.py). docs/engine.md holds the last result.
+SHARD ?= 1/1
+.PHONY: matrix
+matrix: $(STAMP)
+	$(BIN)/python -m ultrascale.testing.matrix --run full --backend inductor --shard $(SHARD) \
+		--results matrix-results.jsonl
+
 # The GPU kit (docs/benchmarks.md, "On a GPU"). gpu-wheels, here with network: the wheels a GPU
 # machine's own Python may lack (pure Python or abi3, so its Python version does not matter), pinned
 # by constraints.txt, into the ignored folder .whl/ that travels with the tree. gpu-check, on the GPU

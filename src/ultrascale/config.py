@@ -261,6 +261,12 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
 def check_context(cfg: RunConfig, parallel: ParallelConfig) -> None:
     """What each context-parallel attention variant needs of the sequence and the heads."""
     cp, tp, s, variant = parallel.cp, parallel.tp, cfg.train.seq_len, parallel.cp_attention
+    if cp > 1 and cfg.train.dtype == "fp16":
+        # Measured (testing/matrix.py): at the scale one process skips a step with, cp 2 ran it. Each cp
+        # rank's fp16 weight gradients sum over its shard's tokens only, so they overflow at another scale.
+        raise ConfigError(f"--dtype fp16 with --cp {cp}: whether a step overflows depends on fp16 sums over the "
+                          f"whole sequence, which context parallelism splits over ranks, so steps would be skipped "
+                          f"unlike one process's; use --dtype bf16 (no loss scale) with --cp")
     if cp == 1:
         if variant != ParallelConfig.cp_attention:
             raise ConfigError(f"--cp-attention {variant} with --cp 1: there is no context parallelism to run it; "

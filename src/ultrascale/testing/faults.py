@@ -44,6 +44,13 @@ FAULTS = {
     # the step on every rank; the second adds the bug of deciding the skip on each rank alone.
     "fp16-inf-on-last-rank": "the first step's gradient overflows on the last rank only",
     "fp16-skip-decided-locally": "the overflow above, and each rank decides alone whether to skip (no all-reduce)",
+    # Where two features meet (testing/matrix.py): each of these was once the engine's behaviour.
+    "fp16-scale-times-dp-cp": "fp16: backward scaled by the full loss scale on every dp x cp rank, so each "
+                              "rank's gradients overflow as dp x cp times one process's",
+    "adam-steps-from-training-step": "a resumed AdamW counts every training step as an update, fp16's skipped "
+                                     "ones included",
+    "moe-loads-per-cp-shard": "MoE balance losses from each context-parallel shard's own loads",
+    "moe-loads-per-sp-shard": "MoE balance losses from each sequence-parallel shard's own loads",
 }
 
 
@@ -226,7 +233,7 @@ def _skip_decided_locally():
     check = DynamicLossScaler.unscale_and_check
     with _wrap_build_grads(_inf_on_last_rank), \
             mock.patch.object(DynamicLossScaler, "unscale_and_check",
-                              lambda self, grads, world: check(self, grads, world=False)):
+                              lambda self, grads, world, applied=None: check(self, grads, False, applied)):
         yield
 
 
@@ -266,6 +273,51 @@ def _sync_at_last_b_or_i_and_last_w():
     return mock.patch.object(PipelineRuntime, "_last_backwards", last_backwards)
 
 
+def _fp16_scale_times_dp_cp():
+    from ultrascale.train.trainer import Trainer
+
+    return mock.patch.object(Trainer, "backward_scale",
+                             lambda self: 1.0 if self.scaler is None else self.scaler.scale)
+
+
+def _adam_steps_from_training_step():
+    from ultrascale.train import checkpoint
+
+    load = checkpoint.load
+
+    def counted_by_step(path, trainer):
+        step = load(path, trainer)
+        trainer.optimizer_steps = step
+        checkpoint._ensure_adam_state(trainer.opt, step)  # the moments stay; the count is the step's
+        return step
+
+    return mock.patch.object(checkpoint, "load", counted_by_step)
+
+
+def _moe_loads_per_shard(axis: str):
+    from ultrascale.parallel import expert
+
+    share = expert.share_token_loads
+
+    def per_shard(model, ctx, sequence_parallel):
+        if axis == "cp":  # as if there were no context-parallel shards to sum over
+            return share(model, _without(ctx, "cp"), sequence_parallel)
+        return share(model, ctx, False)
+
+    return mock.patch.object(expert, "share_token_loads", per_shard)
+
+
+def _without(ctx, axis):
+    class Sizes:
+        def size(self, name):
+            return 1 if name == axis else ctx.size(name)
+
+        def group(self, name):
+            return ctx.group(name)
+
+    return Sizes()
+
+
 # How each fault is patched in: a factory of the patch's context manager.
 _PATCHES = {
     "grads-scaled-1.01": lambda: _wrap_build_grads(lambda owner: _scale_after_finish(owner, 1.01)),
@@ -281,6 +333,10 @@ _PATCHES = {
     "fp16-skip-decided-locally": _skip_decided_locally,
     "pp-sync-at-last-b-or-i-and-last-w": _sync_at_last_b_or_i_and_last_w,
     "offload-stale-moment": _stale_moment,
+    "fp16-scale-times-dp-cp": _fp16_scale_times_dp_cp,
+    "adam-steps-from-training-step": _adam_steps_from_training_step,
+    "moe-loads-per-cp-shard": lambda: _moe_loads_per_shard("cp"),
+    "moe-loads-per-sp-shard": lambda: _moe_loads_per_shard("sp"),
 }
 
 

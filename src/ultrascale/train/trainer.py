@@ -174,7 +174,7 @@ class Trainer:
                 raise Diverged(self._diverged(f"the gradients overflow fp16 at loss scale {scale:g}, the smallest",
                                               lr_at(self.step, t)))
             self.scaler.update(finite)
-        if self.keep_first_grads and self.first_grads is None:
+        if self.keep_first_grads and self.first_grads is None and finite:  # fp16: the first step not skipped
             # The parallel algebra itself, before the optimizer can amplify or hide anything.
             self.first_grads = parallel.full_state(self.names, self.grads.params, self.grads.full_grads(), ctx)
         grad_norm, lr = self.optimizer_step(finite)
