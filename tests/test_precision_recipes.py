@@ -47,7 +47,7 @@ def test_fp16_stays_close_to_fp32(monkeypatch):
 
     # A scaler that forgets to divide the gradients by the scale: clipping and Adam hide it
     # from the loss (Adam divides any constant away), but the gradient norm is off by 2^16.
-    monkeypatch.setattr(DynamicLossScaler, "unscale_and_check", lambda self, grads, world: True)
+    monkeypatch.setattr(DynamicLossScaler, "unscale_and_check", lambda self, grads, world, applied=None: True)
     wrong = run(steps=2, dtype="fp16")
     assert max_rel(norms(wrong), norms(fp32)[:2]) > 1e3
 

@@ -231,6 +231,15 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
     if t.fp8 and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in ("zero-bubble", "dualpipev", "dualpipe"):
         raise ConfigError(f"--fp8 with --pp-schedule {cfg.parallel.pp_schedule}: FP8 layers would replace the deferrable linears "
                           "that split the weight gradients; use another --pp-schedule")
+    if (t.compile and t.recompute == "full" and cfg.model.is_moe and cfg.parallel.pp > 1
+            and PP_SCHEDULE_ALIASES.get(cfg.parallel.pp_schedule, cfg.parallel.pp_schedule) in ("zero-bubble",
+                                                                                               "dualpipev")):
+        # Found by the feature matrix (zero-bubble): the replayed forward of an MoE block, whose compiled
+        # parts sit around an eager MoE layer, picks another compiled graph than the forward did, and
+        # torch's checkpoint stops on tensors of other shapes (torch issue 166926).
+        raise ConfigError(f"--compile with --recompute full, an MoE model and --pp-schedule "
+                          f"{cfg.parallel.pp_schedule}: the recomputed forward does not replay the compiled one; "
+                          f"use --recompute selective, or another --pp-schedule, or drop --compile")
     if t.fp8 and t.compile:
         raise ConfigError("--fp8 with --compile: not validated together yet; drop one of them")
 
