@@ -24,7 +24,7 @@ DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "engine.md")
 @pytest.mark.parametrize("cell", SPACE.cells, ids=[M.name(c) for c in SPACE.cells])
 def test_cell_equals_one_process(cell):
     comparison, problems = M.check_cell(cell)
-    assert not problems, f"{comparison.line()}\n  fails: " + "; ".join(problems)
+    assert not problems, (comparison.line() if comparison else M.name(cell)) + "\n  fails: " + "; ".join(problems)
 
 
 @pytest.mark.parametrize("pair,cell,line", SPACE.refused, ids=[f"{a[0]}={a[1]}+{b[0]}={b[1]}" for (a, b), _, _ in
