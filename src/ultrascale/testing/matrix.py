@@ -150,8 +150,10 @@ def cost(cell: Cell) -> float:
     return (1 + 8 * cell["compile"]) * (1.5 if world(cell) == 4 else 1) * (1.3 if cell["resume"] else 1)
 
 
-def config(cell: Cell, workdir: str = "") -> RunConfig:
-    """The run a cell stands for (with a per-cell directory for what it writes)."""
+def config(cell: Cell, workdir: str = "", batch: int = 0) -> RunConfig:
+    """The run a cell stands for (with a per-cell directory for what it writes); `batch`: another
+    global batch than the cell's own (its one-process control runs the batch of the cell it controls)."""
+    batch = batch or global_batch(cell)
     moe = cell["model"] == "moe"
     model = get_preset("tiny-moe" if moe else "tiny", layers=LAYERS,
                        **({"z_loss_coef": 1e-3, "capacity_factor": cell["capacity"]} if moe else {}))
@@ -162,10 +164,10 @@ def config(cell: Cell, workdir: str = "") -> RunConfig:
         pp=1 if pp == "none" else 2, pp_schedule="1f1b" if pp == "none" else pp,
         pp_chunks=2 if pp == "interleaved" else 1, offload=cell["offload"], bucket_mb=0.05,
         offload_dir=os.path.join(workdir, "states") if cell["offload"] == "disk" else "")
-    train = TrainConfig(steps=STEPS, seq_len=SEQ_LEN, micro_batch=1, grad_accum=global_batch(cell) // cell["dp"],
+    train = TrainConfig(steps=STEPS, seq_len=SEQ_LEN, micro_batch=1, grad_accum=batch // cell["dp"],
                         lr=3e-3, warmup_steps=1, dtype=cell["dtype"], recompute=cell["recompute"],
-                        compile=cell["compile"], seed=SEED, loss_scale_init=FP16_SCALE_PER_SEQUENCE * global_batch(cell), progress=False,
-                        peak="1", nproc=world(cell))
+                        compile=cell["compile"], seed=SEED, loss_scale_init=FP16_SCALE_PER_SEQUENCE * batch,
+                        progress=False, peak="1", nproc=world(cell))
     return RunConfig(model=model, parallel=parallel, train=train)
 
 
@@ -278,9 +280,8 @@ def reference(cell: Cell, fault: str | None = None):
 
     key = (cell["dtype"], cell["model"], cell["capacity"], global_batch(cell))
     if key not in _REFERENCES:
-        one = config(dict(off(), dtype=cell["dtype"], model=cell["model"], capacity=cell["capacity"]))
-        one = dataclasses.replace(one, train=dataclasses.replace(one.train, grad_accum=global_batch(cell)))
-        _REFERENCES[key] = RunRecord.of(train_single(one))
+        one = dict(off(), dtype=cell["dtype"], model=cell["model"], capacity=cell["capacity"])
+        _REFERENCES[key] = RunRecord.of(train_single(config(one, batch=global_batch(cell))))
     return _REFERENCES[key]
 
 
@@ -441,7 +442,8 @@ def refused_table() -> str:
     rows = ["| pair | refused with |", "| --- | --- |"]
     for (a, b), _, why in s.refused:
         rows.append(f"| {_value(*a)} + {_value(*b)} | {why.replace('|', '/')} |")
-    head = (f"{len(s.refused)} of the {len(s.refused) + sum(1 for t in _pairs() if _minimal(t) is not None) - len(s.refused)} "
+    fitting = sum(1 for t in _pairs() if _minimal(t) is not None)
+    head = (f"{len(s.refused)} of the {fitting} "
             f"pairs of values that fit on {MAX_WORLD} ranks are refused before the run; the covering set runs the "
             f"others in {len(s.cells)} cells.")
     return "\n".join([DOCS_BEGIN, head, "", *rows, DOCS_END])
@@ -502,7 +504,7 @@ def run_all(which: str, results: str, backend: str, shard: str = "1/1") -> int:
                 t = time.time()
                 try:
                     c, problems = check_cell(cell, backend=backend)
-                    line = c.line()
+                    line = c.line() if c is not None else ""
                 except Exception as e:  # noqa: BLE001 - a crash is a failed cell, recorded
                     problems, line = [f"{type(e).__name__}: {str(e)[-400:]}"], ""
                 failed += bool(problems)
