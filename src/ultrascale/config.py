@@ -74,13 +74,14 @@ class ParallelConfig:
         if dp == 0:
             if world_size % inner:
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by tp*pp*cp = {inner}: change --nproc or the sizes"
+                    f"world size {world_size} is not divisible by tp*pp*cp = {inner}: add --nproc {inner} (or a "
+                    f"multiple of {inner}), or lower the sizes"
                 )
             dp = world_size // inner
         if dp * inner != world_size:
             raise ConfigError(
                 f"dp*pp*cp*tp = {dp}*{self.pp}*{self.cp}*{self.tp} = {dp * inner} but the world has "
-                f"{world_size} processes: make the product equal --nproc"
+                f"{world_size} processes: make the product equal --nproc (--nproc {dp * inner}), or change --dp"
             )
         if dp % self.ep:
             raise ConfigError(f"--ep {self.ep} must divide dp = {dp}: expert groups are carved out of data parallelism")
@@ -248,7 +249,32 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
     if t.override_schedule and not t.resume:
         raise ConfigError("--override-schedule changes the schedule a checkpoint was trained with: use it with "
                           "--resume DIR (a new run takes --lr and the rest as given)")
-    parallel = cfg.parallel.resolve(world_size)
+    try:
+        parallel = cfg.parallel.resolve(world_size)
+    except ConfigError:
+        # The sizes may not fit the world (a forgotten --nproc) and also not fit the model: name the
+        # model's mistake first, found with the sizes asked for, since fixing --nproc alone would not do.
+        asked = _asked(cfg.parallel)
+        if asked is not None:
+            check_shapes(cfg, asked)
+        raise
+    check_shapes(cfg, parallel)
+    check_experts(cfg.model, parallel)
+    check_implemented(parallel)
+    return replace(cfg, parallel=parallel)
+
+
+def _asked(p: ParallelConfig) -> ParallelConfig | None:
+    """The layout resolved on the world its sizes ask for (dp, or 1, x tp x pp x cp), if it resolves."""
+    try:
+        return p.resolve(max(p.dp, 1) * p.tp * p.pp * p.cp)
+    except ConfigError:
+        return None
+
+
+def check_shapes(cfg: RunConfig, parallel: ParallelConfig) -> None:
+    """What the sizes need of the model and the sequence: heads, widths, layers, length."""
+    t = cfg.train
     tp = parallel.tp
     if cfg.model.heads % tp or cfg.model.kv_heads % tp:
         raise ConfigError(
@@ -262,9 +288,6 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         raise ConfigError(f"--sp splits the sequence over tp = {tp} ranks: --seq-len {t.seq_len} must divide by it")
     check_context(cfg, parallel)
     check_pipeline(cfg, parallel)
-    check_experts(cfg.model, parallel)
-    check_implemented(parallel)
-    return replace(cfg, parallel=parallel)
 
 
 def check_context(cfg: RunConfig, parallel: ParallelConfig) -> None:
@@ -335,8 +358,9 @@ def check_pipeline(cfg: RunConfig, parallel: ParallelConfig) -> None:
     if v > 1 and parallel.pp_schedule not in ("interleaved", "dualpipev"):
         raise ConfigError(f"--pp-chunks {v} needs --pp-schedule interleaved")
     if pp * v > cfg.model.layers:
-        raise ConfigError(f"--pp {pp} x --pp-chunks {v} = {pp * v} stages but the model has {cfg.model.layers} "
-                          f"layers: lower --pp or --pp-chunks, or add --layers")
+        layers = cfg.model.layers
+        raise ConfigError(f"--pp {pp} x --pp-chunks {v} = {pp * v} stages but the model has {layers} "
+                          f"layer{'s' if layers != 1 else ''}: lower --pp or --pp-chunks, or add --layers")
     first, last = parallel.pp_first_stage_layers, parallel.pp_last_stage_layers
     for flag, n in (("--pp-first-stage-layers", first), ("--pp-last-stage-layers", last)):
         if n < 0:
