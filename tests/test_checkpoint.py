@@ -179,3 +179,33 @@ def test_a_resume_that_would_not_continue_the_run_names_the_setting(saved, args,
 def test_resume_already_finished_says_what_to_do(saved):
     r = ultrascale("train", "--resume", saved, "--steps", "2")
     assert r.returncode == 2 and "pass a larger --steps" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+
+@pytest.fixture(scope="module")
+def saved_by_one_process(tmp_path_factory):
+    """A step-2 checkpoint of tiny with 4 layers, 1 sequence x 4 micro-batches in one process; and
+    the losses of the same run's 3 steps never interrupted (4 sequences in one micro-batch)."""
+    root = tmp_path_factory.mktemp("one-process")
+    ck, log = str(root / "ck"), str(root / "straight.jsonl")
+    shape = [*TINY, "--layers", "4", "--peak", "1"]
+    r = ultrascale("train", *shape, "--micro-batch", "1", "--grad-accum", "4", "--steps", "2", "--save", ck)
+    assert r.returncode == 0, r.stderr
+    r = ultrascale("train", *shape, "--micro-batch", "4", "--steps", "3", "--log-jsonl", log)
+    assert r.returncode == 0, r.stderr
+    return ck, jsonl_losses(log)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "dualpipe"])
+def test_resume_into_a_pipeline_that_needs_more_micro_batches_chooses_them_first(saved_by_one_process, tmp_path,
+                                                                                  schedule):
+    # The interleaved schedule takes micro-batches in groups of pp, DualPipeV at least 2 x pp of them:
+    # they are checked against the accumulation that keeps the checkpoint's global batch (4), not
+    # against --grad-accum's default of 1.
+    ck, straight = saved_by_one_process
+    log = str(tmp_path / "resumed.jsonl")
+    r = ultrascale("train", "--resume", ck, "--steps", "3", "--nproc", "2", "--pp", "2", "--pp-schedule", schedule,
+                   "--pp-chunks", "2", "--log-jsonl", log, "--no-progress", "--peak", "1")
+    assert r.returncode == 0, r.stderr
+    got = jsonl_losses(log)
+    assert len(got) == 1 and worst(abs(a - b) / b for a, b in zip(got, straight[2:])) <= 1e-5, (got, straight)

@@ -3,7 +3,9 @@
 Everything here runs `ultrascale` as a user does, in real processes. A checkpoint is
 damaged the ways a disk or a copy damages one (a file truncated, lost, a byte changed,
 meta.json garbled or gone): `train --resume` and `export` refuse it in one line naming
-the file, before any worker starts or any output exists. A save is interrupted where it
+the file, before any worker starts or any output exists. Where no checksum shows the
+damage (format 2, or meta.json rewritten to match), the read itself meets it, in the
+workers: still one line, exit 2, and no output. A save is interrupted where it
 hurts most, exactly (ULTRASCALE_SAVE_FAULT pauses the save at a named point,
 train/checkpoint.py): the launcher or one rank is killed there, and the next
 `train --resume` continues from the last complete save with the losses of a run never
@@ -35,8 +37,14 @@ SAVES = ["--steps", "6", "--save-every", "2"]  # saves at steps 2 and 4, and at 
 
 
 def one_line(r):
-    lines = r.stderr.strip().splitlines()
-    return len(lines) == 1 and lines[0].startswith("ultrascale: error: ") and "Traceback" not in r.stderr
+    return one_error(r.stderr)
+
+
+def one_error(stderr, after=()):
+    """stderr is one error line (after the given lines, if any), no traceback."""
+    lines = stderr.strip().splitlines()
+    return (len(lines) == len(after) + 1 and lines[:-1] == list(after)
+            and lines[-1].startswith("ultrascale: error: ") and "Traceback" not in stderr)
 
 
 # -- damage ------------------------------------------------------------------------------------
@@ -63,15 +71,60 @@ def flip_a_middle_byte(ck):
         f.write(bytes([byte[0] ^ 0x01]))
 
 
+def flip_the_first_bytes(ck):
+    """The start of the first tensor's record (torch.save's zip header), which DCP reads: damage
+    that fails the read itself, not only the checksum (a byte inside a tensor's values loads)."""
+    with open(os.path.join(ck, "__1_0.distcp"), "r+b") as f:
+        head = f.read(4)
+        f.seek(0)
+        f.write(bytes(b ^ 0xFF for b in head))
+
+
+def truncate_a_shard(ck):
+    os.truncate(os.path.join(ck, "__1_0.distcp"), 100)
+
+
+def rewrite_meta(ck, edit):
+    with open(os.path.join(ck, "meta.json")) as f:
+        meta = json.load(f)
+    edit(meta)
+    with open(os.path.join(ck, "meta.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def as_format_2(ck):
+    """What the previous version wrote: the same tensors, no file list (nothing to check them against)."""
+    rewrite_meta(ck, lambda meta: (meta.pop("files"), meta.update(format=2)))
+
+
+def forge_checksums(ck):
+    """meta.json rewritten to list the files as they are now: every size and checksum matches."""
+    rewrite_meta(ck, lambda meta: meta.update(files=integrity.describe(ck, sorted(meta["files"]))))
+
+
 DAMAGE = {  # name: (what is done to the copy, what the line says)
-    "truncated": (lambda ck: os.truncate(os.path.join(ck, "__1_0.distcp"), 100),
-                  "/__1_0.distcp has 100 bytes, meta.json says"),
+    "truncated": (truncate_a_shard, "/__1_0.distcp has 100 bytes, meta.json says"),
     "deleted": (lambda ck: os.remove(os.path.join(ck, "__1_0.distcp")), "/__1_0.distcp is missing"),
     "meta.json not JSON": (lambda ck: open(os.path.join(ck, "meta.json"), "w").write("nonsense"),
                            "/meta.json is not valid JSON"),
     "meta.json missing": (lambda ck: os.remove(os.path.join(ck, "meta.json")), "no meta.json"),
     "a byte flipped": (flip_a_middle_byte, "/__1_0.distcp is damaged: its crc32 is"),
 }
+# The same damage where no checksum shows it: only DCP's read meets it, in every worker (those of
+# `train --resume`'s launcher have started by then) and in export.
+UNSEEN = {  # name: what hides the damage from the checks before the load
+    "format 2": as_format_2,
+    "checksums forged": forge_checksums,
+}
+READ_DAMAGE = {  # name: (what is done to the copy, what the line says)
+    "truncated": (truncate_a_shard, "its tensor files cannot be read ("),
+    "first bytes flipped": (flip_the_first_bytes, "its tensor files cannot be read ("),
+    "index truncated": (lambda ck: os.truncate(os.path.join(ck, ".metadata"), 100),
+                        "/.metadata, the index of its tensors, cannot be read ("),
+}
+DAMAGED = "): the checkpoint is damaged; copy the checkpoint again from where it was written, or use an earlier one"
+DAMAGE.update({f"{damage}, {unseen}": (lambda ck, harm=harm, hide=hide: (harm(ck), hide(ck)), says)
+               for damage, (harm, says) in READ_DAMAGE.items() for unseen, hide in UNSEEN.items()})
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
@@ -83,17 +136,40 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path, monke
     # The launcher makes its rank-log directory in TMPDIR when it starts the workers: none may appear.
     (tmp_path / "tmp").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    unseen = damage.rpartition(", ")[2] if ", " in damage else ""  # met by DCP's read alone
+    # A format-2 checkpoint is announced as unverified before it loads: that line, then the error.
+    warned = {what: [f"ultrascale: warning: {what} {ck} is a checkpoint of format 2, which lists no checksums: it "
+                     f"is loaded unverified; a save from it (train --resume {ck} --save DIR) writes format 3, "
+                     f"which is verified"] if unseen == "format 2" else [] for what in ("--resume", "checkpoint")}
     r = ultrascale("train", "--resume", ck, "--steps", "4", "--save", str(tmp_path / "next"), "--no-progress")
-    assert r.returncode == 2 and one_line(r) and says in r.stderr, r.stderr
-    assert f"--resume {ck}" in r.stderr and r.stdout == ""
+    assert r.returncode == 2 and one_error(r.stderr, warned["--resume"]) and says in r.stderr, r.stderr
+    assert f"ultrascale: error: --resume {ck}: " in r.stderr and (DAMAGED in r.stderr or not unseen), r.stderr
+    assert r.stdout == ""
     assert os.listdir(tmp_path / "tmp") == [] and not (tmp_path / "next").exists()
+    assert [n for n in os.listdir(tmp_path) if n.startswith("next")] == []  # no partial save either
     # export in this process (its checks are the same code; no process of its own to start).
     capsys.readouterr()
     assert main(["export", "--hf", str(tmp_path / "out"), ck]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"ultrascale: error: checkpoint {ck}: ") and says in err, err
+    assert one_error(err, warned["checkpoint"]) and says in err, err
+    assert f"ultrascale: error: checkpoint {ck}: " in err and (DAMAGED in err or not unseen), err
     assert not (tmp_path / "out").exists()
     assert sorted(os.listdir(ck)) == before  # a reader changes nothing
+
+
+@pytest.mark.parametrize("damage", READ_DAMAGE)
+def test_damage_met_while_loading_in_one_process_is_one_line(saved, tmp_path, damage):
+    # The test above resumes in the checkpoint's layout (2 ranks under the launcher); here the
+    # one process that reads without a process group.
+    ck = copy(saved, tmp_path)
+    harm, says = READ_DAMAGE[damage]
+    harm(ck)
+    forge_checksums(ck)
+    r = ultrascale("train", "--resume", ck, "--steps", "4", "--nproc", "1", "--peak", "1", "--no-progress",
+                   "--save", str(tmp_path / "next"))
+    assert r.returncode == 2 and one_line(r) and says in r.stderr and DAMAGED in r.stderr, r.stderr
+    assert r.stderr.startswith(f"ultrascale: error: --resume {ck}: ") and r.stdout == ""
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
 def test_meta_json_lists_every_file_with_its_size_and_checksum(saved):
@@ -110,21 +186,14 @@ def test_meta_json_lists_every_file_with_its_size_and_checksum(saved):
 
 def test_a_format_2_checkpoint_is_loaded_with_a_warning_and_saved_as_format_3(saved, tmp_path):
     ck, again = copy(saved, tmp_path), str(tmp_path / "again")
-    with open(os.path.join(ck, "meta.json")) as f:
-        meta = json.load(f)
-    del meta["files"]
-    meta["format"] = 2  # what the previous version wrote: the same tensors, no file list
-    with open(os.path.join(ck, "meta.json"), "w") as f:
-        json.dump(meta, f)
+    as_format_2(ck)
     r = ultrascale("train", "--resume", ck, "--steps", "3", "--nproc", "1", "--save", again, "--no-progress")
     assert r.returncode == 0, r.stderr
     warning = [line for line in r.stderr.splitlines() if line.startswith("ultrascale: warning:")]
     assert len(warning) == 1 and f"{ck} is a checkpoint of format 2" in warning[0], r.stderr
     assert "loaded unverified" in warning[0] and "writes format 3" in warning[0]
     assert integrity.verify(again)["step"] == 3
-    meta["format"] = 1
-    with open(os.path.join(ck, "meta.json"), "w") as f:
-        json.dump(meta, f)
+    rewrite_meta(ck, lambda meta: meta.update(format=1))
     with pytest.raises(ValueError, match="format 1, this version reads formats 2 and 3: use the version"):
         integrity.verify(ck)
 

@@ -241,3 +241,31 @@ def test_the_timeout_must_be_positive(capsys):
 
     assert main(["train", "--model", "tiny", "--timeout", "0"]) == 2
     assert capsys.readouterr().err.strip() == "ultrascale: error: --timeout must be a positive number of seconds, got 0"
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["stdout", "stdout-and-stderr"])
+def test_a_reader_that_stops_reading_ends_the_run_as_one_process_does(tmp_path, merged):
+    """`ultrascale train --nproc 2 ... | head -2`: the logging rank's next line meets a closed pipe.
+    One process ends there, status 0, silent; so does the launcher, with every rank stopped and its
+    run folder gone (it used to name rank 0 as a lost peer, status 1, and keep the folder)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    p = subprocess.Popen([sys.executable, "-m", "ultrascale", "train", *LONG_RUN, "--log-every", "1", "--nproc", "2",
+                          "--dp", "2"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT if merged else subprocess.PIPE, env=env)
+    try:
+        _, short = read_until(p.stdout, lambda lines: any(x.startswith(b"step") for x in lines), 240)
+        assert short is None, f"no step line: {short}"
+        workers = ranks(psutil.Process(p.pid).children())
+        p.stdout.close()  # the reader has what it wanted
+        status = p.wait(timeout=120)
+        err = b"" if merged else p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert status == 0 and err == b"", err.decode(errors="replace")
+    assert glob.glob(f"{tmp_path}/ultrascale-run-*") == []
+    deadline = time.monotonic() + 5
+    while any(_alive(w) for w in workers.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(w) for w in workers.values())

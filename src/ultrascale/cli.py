@@ -210,12 +210,17 @@ def cmd_train(args) -> int:
     world = int(os.environ["WORLD_SIZE"]) if is_worker() else cfg.train.nproc
     if is_worker() and cfg.train.nproc not in (1, world):
         raise ConfigError(f"--nproc {cfg.train.nproc} disagrees with WORLD_SIZE={world} set by the launcher")
-    cfg = check_run(cfg, world)
     if resumed:
-        from ultrascale.train.resume import check_resume, fit_global_batch
+        from ultrascale.train.resume import fit_global_batch
 
         meta, given = resumed
-        cfg = check_run(fit_global_batch(cfg, meta["config"], given), world)
+        # The accumulation that keeps the checkpoint's global batch, before the checks that depend on
+        # it (a pipeline schedule's micro-batch count).
+        cfg = fit_global_batch(cfg, meta["config"], given, world)
+    cfg = check_run(cfg, world)
+    if resumed:
+        from ultrascale.train.resume import check_resume
+
         check_resume(cfg.train.resume, meta, cfg)
         _verify_once(cfg.train.resume)
     if not is_worker():
@@ -286,22 +291,44 @@ def _fail_fast(cfg):
     Tearing down a process group that lost a peer can block, and the launcher (or
     torchrun's agent) is about to stop this process anyway.
     """
-    from ultrascale.distributed import failures
-
     try:
         yield
     except (ConfigError, Diverged):
         raise  # one line from main() (exit 2, or 1 for a diverged run), as in a single process
-    except Exception as e:  # noqa: BLE001 - reported, then the process ends
-        import traceback
+    except BrokenPipeError:
+        if _stdout_closed():
+            raise  # `| head` stopped reading: main() ends this rank quietly, and the launcher the run
+        _report_and_exit(cfg)
+    except Exception:  # noqa: BLE001 - reported, then the process ends
+        _report_and_exit(cfg)
 
-        traceback.print_exc()
-        rank = int(os.environ.get("RANK", "0"))
-        line = failures.describe(e, rank, cfg.train.timeout, failures.current_step())
-        print(f"ultrascale: {line}", file=sys.stderr)
+
+def _stdout_closed() -> bool:
+    """Our stdout is a pipe whose reader has gone (poll says so), not a socket of a lost peer."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _report_and_exit(cfg):
+    """The exception being handled, said in one line (and its traceback for the rank's log); exit."""
+    from ultrascale.distributed import failures
+
+    import traceback
+
+    traceback.print_exc()
+    rank = int(os.environ.get("RANK", "0"))
+    line = failures.describe(sys.exc_info()[1], rank, cfg.train.timeout, failures.current_step())
+    print(f"ultrascale: {line}", file=sys.stderr)
+    with contextlib.suppress(BrokenPipeError):  # a closed stdout must not hide the line
         sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,8 +362,15 @@ def main(argv=None) -> int:
         return 130
     except BrokenPipeError:
         # `ultrascale plan ... | head`: the reader has what it wanted. Point stdout at
-        # /dev/null so the interpreter's final flush does not fail a second time.
+        # /dev/null so the interpreter's final flush does not fail a second time. A rank of
+        # `--nproc` tells its launcher, which stops the others as quietly (not a failed rank).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        from ultrascale.distributed.launch import launched_locally
+
+        if launched_locally():
+            from ultrascale.distributed.failures import EXIT_PIPE
+
+            return EXIT_PIPE
         return 0
 
 

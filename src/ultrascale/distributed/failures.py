@@ -34,6 +34,9 @@ ENV_HEARTBEAT = "ULTRASCALE_HEARTBEAT"  # file this rank writes its heartbeat in
 ENV_LAUNCHER_PID = "ULTRASCALE_LAUNCHER_PID"  # die with the launcher
 
 HEARTBEAT_EVERY_S = 1.0
+# A worker whose stdout was closed by its reader (`| head`) exits with the shell's status for a
+# process ended by SIGPIPE: the launcher then ends the run as quietly as one process ends it.
+EXIT_PIPE = 128 + 13
 
 # Errors a rank gets because *another* rank failed: not the cause of a failed run.
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)

@@ -17,6 +17,9 @@ each node):
   reset by peer", timeouts) are consequences: they stay in their log files;
 - every worker writes a heartbeat; a rank that stops beating while the others
   time out (or for longer than the timeout) is named as the one that hung;
+- a reader that stops reading (`| head`) ends the run as it ends one process:
+  quietly, status 0, the run folder removed, every worker stopped (the rank whose
+  stdout broke exits with failures.EXIT_PIPE; a closed stderr is the launcher's own);
 - SIGINT, SIGTERM or SIGHUP to the launcher stops every worker, and the launcher
   exits with 128 + the signal's number. Workers sit in their own sessions (a
   terminal's Ctrl-C reaches only the launcher, which decides) and die with the
@@ -180,6 +183,7 @@ class _Supervisor:
         self.workers: list[_Worker] = []
         self.chunks: queue.SimpleQueue = queue.SimpleQueue()
         self.signal: int | None = None
+        self.pipe_closed = False  # our stderr's reader stopped reading
         self.started = time.time()
         self.dir = tempfile.mkdtemp(prefix="ultrascale-run-")
 
@@ -233,6 +237,13 @@ class _Supervisor:
 
     # -- watching -----------------------------------------------------------
     def _forward(self, chunks) -> None:
+        try:
+            self._write(chunks)
+        except BrokenPipeError:  # our stderr's reader stopped reading (`2>&1 | head`)
+            self.pipe_closed = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+
+    def _write(self, chunks) -> None:
         out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
         for rank, chunk in chunks:
             w = self.workers[rank]
@@ -283,9 +294,13 @@ class _Supervisor:
                     w.returncode = w.proc.returncode
                     if w.returncode != 0:
                         failed.append(w)
+            if self.pipe_closed or any(w.returncode == failures.EXIT_PIPE for w in failed):
+                return "pipe", []
             if failed:
                 return "failed", failed
             self._forward(chunks)
+            if self.pipe_closed:
+                return "pipe", []
             running = [w for w in self.workers if w.returncode is None]
             if not running:
                 return "ok", []
@@ -473,6 +488,13 @@ def launch_local(argv: list[str], nproc: int, threads_per_proc: int | None = Non
             for w in sup.workers:  # held output of ranks that ended well (e.g. a warning with a traceback)
                 if w.held:
                     sys.stderr.write(w.held.decode(errors="replace"))
+            sup.cleanup(keep_logs=False)
+            return 0
+        if outcome == "pipe":
+            # The reader has what it wanted: stop, as one process does, and say nothing.
+            sup.stop_all(signal.SIGTERM)
+            if on_failure is not None:
+                on_failure()  # a save cut short is not left behind
             sup.cleanup(keep_logs=False)
             return 0
         if outcome == "signal":

@@ -23,7 +23,9 @@ A checkpoint knows when it is damaged (train/integrity.py): every reader checks
 that each listed file is there with its size, and `ultrascale train --resume` and
 `export` check every byte against its checksum before loading anything; a
 missing, truncated or changed file is one line naming it. Format 2 (no file
-list) still loads, with a warning that it cannot be verified.
+list) still loads, with a warning that it cannot be verified. Damage the checksums
+cannot show (format 2's, or a meta.json rewritten to match changed files) is met
+by DCP while it reads: that too is one line, naming the checkpoint (`_reading`).
 
 Saves are atomic: every rank writes into `DIR.tmp`; when all have finished,
 each rank checksums its own files, and rank 0 adds meta.json and swaps it in
@@ -317,7 +319,8 @@ def load(path: str, trainer) -> int:
     trainer.optimizer_steps = meta.get("optimizer_steps", meta["step"])
     _ensure_adam_state(trainer.opt, trainer.optimizer_steps)
     chunks, _ = _optimizer_chunks(trainer, writing=False)
-    with _quiet():
+    _read_index(path, "--resume")  # a damaged index named as such (DCP reads it again, each rank)
+    with _quiet(), _reading(path, "--resume", alone=not trainer.ctx.is_distributed):
         dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(chunks),
                  no_dist=not trainer.ctx.is_distributed)
     trainer.main.copy_to_model()  # masters -> compute parameters (and ZeRO's all-gather)
@@ -335,13 +338,63 @@ def read_full_state(path: str) -> tuple[dict, dict]:
     """(the run's configuration, {single-device name: full fp32 tensor}) of a checkpoint, in
     this one process (for export): DCP assembles each tensor from the chunks of all ranks."""
     meta = integrity.verify(path, what="checkpoint")  # every byte, before DCP reads any
-    index = dcp.FileSystemReader(path).read_metadata()
+    index = _read_index(path, "checkpoint")
     full = {fqn[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
             for fqn, md in index.state_dict_metadata.items() if fqn.startswith("model.")}
     chunks = {(f"model.{name}", (0,) * t.dim()): t for name, t in full.items()}
-    with _quiet():
+    with _quiet(), _reading(path, "checkpoint", alone=True):
         dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(chunks), no_dist=True)
     return meta["config"], full
+
+
+def _read_index(path: str, what: str):
+    """DCP's index of the checkpoint (`.metadata`); one that cannot be decoded is one line naming it."""
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - whatever unpickling a damaged file raises
+        raise ConfigError(f"{what} {path}: {os.path.join(path, '.metadata')}, the index of its tensors, cannot "
+                          f"be read ({_said(e)}): the checkpoint is damaged; {integrity._FIX}") from None
+
+
+@contextlib.contextmanager
+def _reading(path: str, what: str, alone: bool):
+    """DCP reading the tensors of the checkpoint `path`: a file it cannot decode is one line naming
+    the checkpoint.
+
+    The checksums find damage before anything is read, but not in a checkpoint without them
+    (format 2), nor in one whose meta.json was rewritten to match its files: there DCP itself
+    meets the truncated or changed file. It reports a failed read or plan as a
+    CheckpointException (a BaseException), on every rank at once; a planner's own ConfigError
+    inside it is that error. Other exceptions are DCP's own only when it runs `alone` (no process
+    group): with one, they are collectives that failed (a rank lost), which the run reports as such."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except ConfigError:
+        raise
+    except CheckpointException as e:
+        causes = [failure[0] for _, failure in sorted(e.failures.items())]
+        own = next((c for c in causes if isinstance(c, ConfigError)), None)
+        if own is not None:
+            raise ConfigError(str(own)) from None
+        raise _damaged(path, what, causes[0] if causes else e) from None
+    except Exception as e:  # noqa: BLE001 - any failure to decode the files is the same damage
+        if not alone:
+            raise
+        raise _damaged(path, what, e) from None
+
+
+def _damaged(path: str, what: str, cause: BaseException) -> ConfigError:
+    return ConfigError(f"{what} {path}: its tensor files cannot be read ({_said(cause)}): the checkpoint is "
+                       f"damaged; {integrity._FIX}")
+
+
+def _said(e: BaseException) -> str:
+    """The first sentence of an exception's message ("PytorchStreamReader failed reading zip archive:
+    ..."), or its name where it has none (an EOFError: a file ends early)."""
+    text = str(e).strip()
+    return text.splitlines()[0].split(". ")[0][:100] if text else type(e).__name__
 
 
 def check_shared(path: str, ctx) -> None:

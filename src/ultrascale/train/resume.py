@@ -64,17 +64,24 @@ def global_batch(d: dict) -> int:
     return d["train"]["micro_batch"] * d["train"]["grad_accum"] * d["parallel"]["dp"]
 
 
-def fit_global_batch(cfg, saved: dict, given: dict):
-    """With the layout resolved, choose grad_accum (unless given) so the global batch is the saved one."""
+def fit_global_batch(cfg, saved: dict, given: dict, world_size: int):
+    """Choose grad_accum (unless given) so the global batch is the saved one, in the layout `cfg`
+    asks for on `world_size` processes. Called before `config.validate`, whose checks depend on
+    the accumulation (a pipeline schedule's micro-batches): a layout or micro-batch it would
+    refuse is left to it, the config unchanged."""
     import dataclasses
 
     want, t = global_batch(saved), cfg.train
-    if "grad_accum" in given["train"]:
+    if "grad_accum" in given["train"] or t.micro_batch <= 0:
         return cfg
-    per_step = t.micro_batch * cfg.parallel.dp
+    try:
+        dp = cfg.parallel.resolve(world_size).dp
+    except ConfigError:
+        return cfg  # validate says why, in its own order
+    per_step = t.micro_batch * dp
     if want % per_step:
         raise ConfigError(f"--resume {t.resume}: the checkpoint's global batch is {want} sequences, which "
-                          f"--micro-batch {t.micro_batch} x dp {cfg.parallel.dp} does not divide: pick a "
+                          f"--micro-batch {t.micro_batch} x dp {dp} does not divide: pick a "
                           f"--micro-batch that does")
     return dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum=want // per_step))
 
