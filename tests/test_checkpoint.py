@@ -1,6 +1,7 @@
 """Checkpoints that move between layouts: saved in one, resumed in another, the run goes on
 as if never interrupted; and what a resume checks."""
 
+import json
 import functools
 import os
 import tempfile
@@ -209,3 +210,26 @@ def test_resume_into_a_pipeline_that_needs_more_micro_batches_chooses_them_first
     assert r.returncode == 0, r.stderr
     got = jsonl_losses(log)
     assert len(got) == 1 and worst(abs(a - b) / b for a, b in zip(got, straight[2:])) <= 1e-5, (got, straight)
+
+
+def test_a_save_onto_another_runs_checkpoint_is_refused_unless_overwrite(tmp_path):
+    """--save onto a checkpoint of another run (model, seed or data) is refused in one line before
+    anything runs, the checkpoint untouched; --overwrite replaces it; a resume saving back into its
+    source continues it; the same run started again replaces its own."""
+    ck = str(tmp_path / "ck")
+    base = ["--steps", "1", "--seq-len", "16", "--micro-batch", "2", "--no-progress", "--peak", "1"]
+    assert ultrascale("train", "--model", "tiny", *base, "--save", ck).returncode == 0
+    meta = (tmp_path / "ck" / "meta.json").read_bytes()
+    for other, said in ((["--model", "tiny-moe"], "(model 'tiny', this run 'tiny-moe')"),
+                        (["--model", "tiny", "--seed", "3"], "(seed 0, this run 3)"),
+                        (["--model", "tiny", "--seq-len", "32"], "(seq_len 16, this run 32)")):
+        r = ultrascale("train", *base, *other, "--save", ck)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"--save {ck} holds the checkpoint of another run {said}: add --overwrite" in r.stderr
+        assert (tmp_path / "ck" / "meta.json").read_bytes() == meta  # untouched
+    assert ultrascale("train", "--model", "tiny", *base, "--save", ck).returncode == 0  # the same run again
+    r = ultrascale("train", "--resume", ck, "--steps", "2", "--no-progress", "--save", ck)
+    assert r.returncode == 0, r.stderr
+    r = ultrascale("train", *base, "--model", "tiny-moe", "--save", ck, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "ck" / "meta.json").read_text())["config"]["model"]["experts"] == 8

@@ -81,6 +81,8 @@ TRAIN_FLAGS = [
     ("--tokenizer", "train", "tokenizer", str, "'bytes' or a local Hugging Face tokenizer directory"),
     ("--save", "train", "save", str, "checkpoint directory, written at the end (and every --save-every)"),
     ("--save-every", "train", "save_every", int, "also save every N steps"),
+    ("--overwrite", "train", "overwrite", bool, "let --save replace a checkpoint of another run (another model, "
+                                                "seed or data); without it that is refused before the run"),
     ("--resume", "train", "resume", str, "checkpoint directory to continue from"),
     ("--override-schedule", "train", "override_schedule", bool,
      "with --resume: this run's --lr, --min-lr-ratio, --warmup-steps and --lr-decay-steps, not the checkpoint's "
@@ -218,6 +220,10 @@ def cmd_train(args) -> int:
         # it (a pipeline schedule's micro-batch count).
         cfg = fit_global_batch(cfg, meta["config"], given, world)
     cfg = check_run(cfg, world)
+    if not launched_locally():  # the launcher checked for its workers; under torchrun every rank reads
+        from ultrascale.train.resume import check_save_target
+
+        check_save_target(cfg)  # a --save onto another run's checkpoint, before anything runs
     if resumed:
         from ultrascale.train.resume import check_resume
 

@@ -147,6 +147,7 @@ class TrainConfig:
     tokenizer: str = "bytes"  # "bytes" or a local Hugging Face tokenizer directory
     save: str = ""
     save_every: int = 0
+    overwrite: bool = False  # --save may replace a checkpoint of another run (train/resume.py check_save_target)
     resume: str = ""
     # With resume: the learning-rate schedule (SCHEDULE of train/resume.py) is this run's, not the
     # checkpoint's: back from a divergence with a lower lr (Megatron's --override-opt_param-scheduler).

@@ -110,6 +110,48 @@ def check_resume(path: str, meta: dict, cfg) -> None:
                           f"counts all steps: pass a larger --steps")
 
 
+# What makes a checkpoint another run's, besides the model's shape: what its batches are drawn from.
+RUN_IDENTITY = ("seed", "data", "data_column", "data_split", "tokenizer", "seq_len")
+
+
+def check_save_target(cfg) -> None:
+    """--save DIR that holds a checkpoint of another run (another model shape, seed or data) is
+    refused before the run, unless --overwrite: a run that trained for hours must not replace
+    another's work without a word. Saving into the checkpoint this run resumes from continues it,
+    and a checkpoint of this same run (the same model and data: a run started again) is replaced."""
+    t = cfg.train
+    if not t.save or t.overwrite:
+        return
+    path = t.save.rstrip("/")
+    if t.resume and os.path.realpath(t.resume.rstrip("/")) == os.path.realpath(path):
+        return
+    put_back_old(path)
+    meta_file = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_file):
+        if os.path.isdir(path) and os.listdir(path):
+            raise ConfigError(f"--save {t.save} is a directory of other files, not a checkpoint: --save another "
+                              f"directory, or add --overwrite to replace it")
+        return
+    try:
+        with open(meta_file, encoding="utf-8") as f:
+            saved = json.load(f)["config"]
+        here = cfg.to_dict()
+        differ = [(k, v, here["model"].get(k)) for k, v in saved["model"].items()
+                  if k != "name" and here["model"].get(k) != v]
+        if differ and saved["model"].get("name") != here["model"].get("name"):
+            differ.insert(0, ("model", saved["model"].get("name"), here["model"].get("name")))
+        differ += [(k, saved["train"][k], here["train"][k]) for k in RUN_IDENTITY
+                   if k in saved["train"] and saved["train"][k] != here["train"][k]]
+    except (OSError, ValueError, KeyError, TypeError):
+        differ = [("meta.json", "unreadable", None)]
+    if differ:
+        k, theirs, ours = differ[0]
+        what = ("a damaged checkpoint" if k == "meta.json" else
+                f"the checkpoint of another run ({k} {theirs!r}, this run {ours!r})")
+        raise ConfigError(f"--save {t.save} holds {what}: add --overwrite to replace it, --save another directory, "
+                          f"or --resume {t.save} to continue it")
+
+
 def read_meta(path: str, what: str = "--resume") -> dict:
     """A checkpoint's meta.json (step, configuration, its files), without importing torch: the
     CLI reads it before any process starts. `what` names the argument in messages.
