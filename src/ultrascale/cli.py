@@ -111,14 +111,34 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _default(section: str, dest: str):
+    """What a flag not given stands for: the dataclass's default (a model field: the preset's)."""
+    from dataclasses import fields
+
+    from ultrascale.config import ParallelConfig, TrainConfig
+
+    if section == "model":
+        return "tiny" if dest == "preset" else None
+    known = {f.name: f.default for f in fields(TrainConfig if section == "train" else ParallelConfig)}
+    return known.get(dest)
+
+
 def _add_train(sub):
-    p = sub.add_parser("train", help="train a model on one or many processes")
+    from ultrascale.model.config import presets_table
+
+    p = sub.add_parser("train", help="train a model on one or many processes",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="model presets (--model; a shape flag overrides one field of it):\n"
+                              + "\n".join("  " + line for line in presets_table().splitlines()))
     p.add_argument("--config", help="TOML file with [model], [parallel], [train] sections; flags override it")
-    for flag, _, dest, typ, help_ in TRAIN_FLAGS:
+    for flag, section, dest, typ, help_ in TRAIN_FLAGS:
         if typ is bool:
             p.add_argument(flag, dest=dest, action="store_const", const=True, default=None, help=help_)
-        else:
-            p.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
+            continue
+        default = _default(section, dest)
+        if default not in (None, "") and "default" not in help_:
+            help_ = f"{help_} (default: {default:g})" if isinstance(default, float) else f"{help_} (default: {default})"
+        p.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
     p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
                    help="no progress bar")
     p.set_defaults(func=cmd_train)

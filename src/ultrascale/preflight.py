@@ -42,6 +42,16 @@ def _probe(flag: str, given: str, where: str) -> None:
     os.remove(probe)
 
 
+def publish(tmp: str, path: str) -> None:
+    """Rename a finished temporary file (written whole, from tempfile.mkstemp) to `path`, with the
+    permissions a plain open() would have given it: mkstemp makes 0600, and an image, a page or a
+    notebook is an ordinary file others may read (0644 under umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+
+
 def check_writable_dir(flag: str, path: str) -> None:
     """A directory the run creates or replaces (a checkpoint): its parent must take new entries."""
     full = os.path.abspath(path)

@@ -181,6 +181,35 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+# What each preset is for, said where a user looks (`ultrascale train --help`, the README).
+PRESET_USES = {
+    "tiny": "tests and the course: trains in seconds on a CPU",
+    "small": "the CPU demo (make demo): the loss falls visibly in a minute",
+    "tiny-moe": "tests and the course: tiny with 8 experts, top-2",
+    "smollm-135m": "SmolLM's shape: a real small model (loads with --init-from)",
+    "smollm-1.7b": "SmolLM's shape, for a GPU",
+    "qwen3-30b-a3b": "the planner: Qwen3-30B-A3B's MoE, attention approximated (30.5B published)",
+    "deepseek-v3": "the planner: DeepSeek-V3's MoE, MLA as GQA, no dense first blocks (671B published)",
+    "1b": "the playbook's benchmark shape (the planner)",
+    "3b": "the playbook's benchmark shape (the planner)",
+    "8b": "the playbook's benchmark shape (the planner)",
+    "80b": "the playbook's benchmark shape (the planner)",
+}
+
+
+def presets_table() -> str:
+    """The presets as a plain-text table: shape, parameters, what each is for."""
+    rows = [("preset", "layers", "hidden", "heads/kv", "experts", "params", "for")]
+    for name, c in PRESETS.items():
+        n = count_params(c)
+        size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+        use = PRESET_USES.get(name, "the planner (ultrascale plan); trains on GPUs")
+        rows.append((name, str(c.layers), str(c.hidden), f"{c.heads}/{c.kv_heads}",
+                     f"{c.experts} top-{c.top_k}" if c.experts else "-", size, use))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+
+
 def get_preset(name: str, **overrides) -> ModelConfig:
     from ultrascale.errors import ConfigError
 

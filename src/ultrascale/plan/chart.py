@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from ultrascale.errors import ConfigError
 from ultrascale.plan.calibration import GIB
 from ultrascale.plan.memory import TERMS
@@ -41,3 +43,4 @@ def draw_memory(plan, gpu, title: str, path: str) -> None:
         raise ConfigError(f"--chart {path}: {e.strerror or e}") from None
     finally:
         plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)  # stdout may be the plan's JSON

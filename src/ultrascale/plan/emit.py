@@ -7,6 +7,8 @@ is checked by the same load_toml / validate as a hand-written one.
 
 from __future__ import annotations
 
+import sys
+
 from ultrascale.errors import ConfigError
 
 # ModelShape field -> ModelConfig field, where they differ in name.
@@ -77,3 +79,5 @@ def write(path: str, shape, lay) -> None:
             f.write(text)
     except OSError as e:
         raise ConfigError(f"--emit-config {path}: cannot write ({e.strerror})") from None
+    # On stderr: stdout may be the plan's JSON.
+    print(f"wrote {path}: run it with ultrascale train --config {path}", file=sys.stderr)

@@ -54,6 +54,8 @@ def page_data(result: dict) -> dict:
 
 
 def write(path: str, result: dict, title: str, assumes: str, memory_bytes: float) -> None:
+    from ultrascale.preflight import publish
+
     data = page_data(result)
     data.update(title=title, assumes=assumes, memory_bytes=memory_bytes)
     text = TEMPLATE.replace("@TITLE@", html.escape(title)).replace(
@@ -62,10 +64,7 @@ def write(path: str, result: dict, title: str, assumes: str, memory_bytes: float
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")  # whole or not at all
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # a page others may open, as a plain open() would have made it
-    os.replace(tmp, path)
+    publish(tmp, path)  # a page others may open, as a plain open() would have made it
 
 
 def read_data(path: str) -> dict:

@@ -68,6 +68,8 @@ def check_writable(directory: str, flag: str = "--out") -> None:
 
 def write_atomic(path: str, text: str) -> None:
     """Write `text` to `path` through a temporary file and os.replace."""
+    from ultrascale.preflight import publish
+
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
@@ -76,11 +78,7 @@ def write_atomic(path: str, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        # mkstemp creates 0600; a notebook is an ordinary file, readable as every other one (0644 under umask 022).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
+        publish(tmp, path)  # readable as every other file (mkstemp makes 0600)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

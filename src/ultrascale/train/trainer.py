@@ -314,6 +314,12 @@ class Trainer:
             self.save(t.save)
         if t.pp_trace and self.pipeline is not None:
             self.pipeline.write_trace(t.pp_trace, self.cfg.parallel.pp_schedule)
+        # Every file the run wrote, named (the checkpoint was, at each save).
+        for path, what in ((t.log_jsonl, "one JSON line per step"), (t.tensorboard, "TensorBoard events"),
+                           (t.profile, "torch.profiler traces, one per rank: read them with ultrascale trace"),
+                           (t.pp_trace if self.pipeline is not None else "", "the last step's pipeline timeline")):
+            if path:
+                log.say(f"wrote {path}: {what}")
         result.state = self.full_state_dict()
         result.first_grads = self.first_grads
         return result
@@ -328,6 +334,8 @@ class Trainer:
 
         checkpoint.save(path, self)
         self.saved_step = self.step
+        if self.log_to_stdout and self.ctx.is_logging_rank:
+            print(f"saved {path} at step {self.step}", flush=True)
 
     def _resume(self, path: str) -> None:
         """Continue from `path`, whatever layout wrote it (train/checkpoint.py)."""

@@ -10,6 +10,8 @@ import json
 import os
 import tempfile
 
+from ultrascale.preflight import publish
+
 COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#C44E52"}
 LABELS = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)"}
 
@@ -40,7 +42,7 @@ def write_trace(path: str, schedule: str, p: int, v: int, spans: list[list[tuple
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
-    os.replace(tmp, path)
+    publish(tmp, path)
 
 
 def draw(spans: list[list[tuple]], title: str, out: str) -> None:
@@ -75,4 +77,4 @@ def draw(spans: list[list[tuple]], title: str, out: str) -> None:
     os.close(fd)
     fig.savefig(tmp, dpi=130)
     plt.close(fig)
-    os.replace(tmp, out)
+    publish(tmp, out)  # an image others may open (mkstemp makes 0600)
