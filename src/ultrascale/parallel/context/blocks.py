@@ -29,8 +29,9 @@ the block's own, its backward is the block's share of the whole row's gradient
 kernel is `_scaled_dot_product_flash_attention_for_cpu` and its backward: tiled,
 so no m x n score matrix is ever built, and GQA read in place (no repeated K/V).
 On CUDA the forward takes the memory-efficient kernel (it returns lse) and the
-backward the math below; the math is also the fallback where no kernel runs,
-and the formulas above written out for a reader.
+backward the math below; the math is also the fallback where no kernel runs (or
+where torch's CPU kernel would fail on this machine), and the formulas above written
+out for a reader.
 
 The variants differ only in where the key blocks come from (a ring, an
 all-gather); they all call `attend` and `attend_backward` here. Under the causal
@@ -47,6 +48,8 @@ from __future__ import annotations
 import collections
 
 import torch
+
+from ultrascale.parallel.precision import flash_attention_fails_here
 
 # (query, key) score elements computed per rank, forward and backward: the attention work.
 WORK: collections.Counter = collections.Counter()
@@ -139,10 +142,16 @@ def _forward_cuda(q, k, v, causal, scale):
     return out.float(), lse[..., : q.shape[2]].float()  # some versions pad lse's rows to a multiple of 32
 
 
+def _cpu_kernel(q, kernel) -> bool:
+    """Whether to call torch's CPU flash kernel: it exists, and it can run q's dtype here (bf16 on a
+    CPU with AMX stops in the kernel when ATen runs below AVX512: see precision.py)."""
+    return q.device.type == "cpu" and kernel is not None and not flash_attention_fails_here(q.dtype)
+
+
 def block_forward(q, k, v, causal: bool, scale: float):
     """(O, lse) of queries q against one key block: O [b, H, m, d] (fp32, or q's dtype from the
     CPU kernel: the merge accumulates in fp32 either way), lse [b, H, m] fp32."""
-    if q.device.type == "cpu" and _CPU_FORWARD is not None:
+    if _cpu_kernel(q, _CPU_FORWARD):
         return _CPU_FORWARD(q, k, v, 0.0, causal, scale=scale)
     if q.is_cuda:
         result = _forward_cuda(q, k, v, causal, scale)
@@ -154,7 +163,7 @@ def block_forward(q, k, v, causal: bool, scale: float):
 def block_backward(q, k, v, dout, out, lse, causal: bool, scale: float):
     """(dQ, dK, dV) of one block from the rows' final O [b, H, m, d] and global lse [b, H, m]
     (dQ for q's rows, dK and dV for this key block; q's dtype from the CPU kernel, else fp32)."""
-    if q.device.type == "cpu" and _CPU_BACKWARD is not None:
+    if _cpu_kernel(q, _CPU_BACKWARD):
         return _CPU_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     return _backward_math(q, k, v, dout, out, lse, causal, scale)
 
