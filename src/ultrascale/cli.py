@@ -322,9 +322,16 @@ def _fail_fast(cfg):
     except (ConfigError, Diverged):
         raise  # one line from main() (exit 2, or 1 for a diverged run), as in a single process
     except BrokenPipeError:
-        if _stdout_closed():
-            raise  # `| head` stopped reading: main() ends this rank quietly, and the launcher the run
-        _report_and_exit(cfg)
+        if not _stdout_closed():
+            _report_and_exit(cfg)
+        # `| head` stopped reading. Exit now with the shell's status for a writer its reader left,
+        # skipping the teardown of a process group whose peers still wait (it can block): the
+        # launcher ends the run quietly on it, torchrun's agent tears the others down at once.
+        from ultrascale.distributed.failures import EXIT_PIPE
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.stderr.flush()
+        os._exit(EXIT_PIPE)
     except Exception:  # noqa: BLE001 - reported, then the process ends
         _report_and_exit(cfg)
 
@@ -388,15 +395,9 @@ def main(argv=None) -> int:
         return 130
     except BrokenPipeError:
         # `ultrascale plan ... | head`: the reader has what it wanted. Point stdout at
-        # /dev/null so the interpreter's final flush does not fail a second time. A rank of
-        # `--nproc` tells its launcher, which stops the others as quietly (not a failed rank).
+        # /dev/null so the interpreter's final flush does not fail a second time. (A rank of a
+        # multi-process run exits in _fail_fast instead, with failures.EXIT_PIPE.)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        from ultrascale.distributed.launch import launched_locally
-
-        if launched_locally():
-            from ultrascale.distributed.failures import EXIT_PIPE
-
-            return EXIT_PIPE
         return 0
 
 

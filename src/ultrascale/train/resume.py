@@ -141,8 +141,8 @@ def check_save_target(cfg) -> None:
         if differ and saved["model"].get("name") != here["model"].get("name"):
             differ.insert(0, ("model", saved["model"].get("name"), here["model"].get("name")))
         differ += [(k, saved["train"][k], here["train"][k]) for k in RUN_IDENTITY
-                   if k in saved["train"] and saved["train"][k] != here["train"][k]]
-    except (OSError, ValueError, KeyError, TypeError):
+                   if k in saved["train"] and _same(k, saved["train"][k]) != _same(k, here["train"][k])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         differ = [("meta.json", "unreadable", None)]
     if differ:
         k, theirs, ours = differ[0]
@@ -150,6 +150,14 @@ def check_save_target(cfg) -> None:
                 f"the checkpoint of another run ({k} {theirs!r}, this run {ours!r})")
         raise ConfigError(f"--save {t.save} holds {what}: add --overwrite to replace it, --save another directory, "
                           f"or --resume {t.save} to continue it")
+
+
+def _same(key: str, value):
+    """A path-valued setting as a comparable path (./corpus and corpus are one corpus)."""
+    if key in ("data", "tokenizer") and isinstance(value, str) and value and not value.startswith("hf:") \
+            and value != "bytes":
+        return os.path.normpath(os.path.abspath(value))
+    return value
 
 
 def read_meta(path: str, what: str = "--resume") -> dict:
