@@ -212,7 +212,7 @@ class MoE(nn.Module):
         counts = torch.bincount(idx.flatten(), minlength=e).float()
         probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores normalised per token, as DeepSeek
         lse2 = logits.logsumexp(-1).pow(2)
-        if self.shard_reduce is None:
+        if self.shard_reduce is None:  # one process's formula as it always was (its rounding unchanged)
             t = idx.shape[0]
             aux = e * (counts / (t * self.top_k) * probs.mean(0)).sum()
             z = lse2.mean()

@@ -133,16 +133,15 @@ def repair(cell: Cell, fixed: set) -> Cell | None:
                     c["ep"], c["zero"], c["offload"] = 1, 0, "none"
         if world(c) > MAX_WORLD:
             return None
-    return c if c == repair_once_stable(c) else None
+    return c if needs_met(c) else None
 
 
-def repair_once_stable(c: Cell) -> Cell:
-    """The needs of `repair` hold for c (a cell repaired to a fixed point is unchanged)."""
-    ok = (not (c["sp"] and c["tp"] == 1) and not (c["offload"] != "none" and not c["zero"])
-          and not (c["zero"] and c["dp"] == 1 and c["cp"] == "none")
-          and not (c["ep"] > 1 and (c["model"] != "moe" or c["dp"] == 1))
-          and not (c["capacity"] and c["model"] != "moe") and world(c) <= MAX_WORLD)
-    return c if ok else {}
+def needs_met(c: Cell) -> bool:
+    """Every need `repair` fills holds for c, and it fits on MAX_WORLD ranks."""
+    return (not (c["sp"] and c["tp"] == 1) and not (c["offload"] != "none" and not c["zero"])
+            and not (c["zero"] and c["dp"] == 1 and c["cp"] == "none")
+            and not (c["ep"] > 1 and (c["model"] != "moe" or c["dp"] == 1))
+            and not (c["capacity"] and c["model"] != "moe") and world(c) <= MAX_WORLD)
 
 
 def cost(cell: Cell) -> float:
@@ -283,7 +282,7 @@ def _build() -> Space:
 _REFERENCES: dict = {}
 
 
-def reference(cell: Cell, fault: str | None = None):
+def reference(cell: Cell):
     """One process on the cell's global batch, fed the same micro-batches (one sequence each),
     in this process; cached by what changes it (dtype, model, capacity)."""
     from ultrascale.testing.compare import RunRecord, train_single
@@ -476,7 +475,7 @@ def full_product():
     seen = set()
     for values in itertools.product(*FACTORS.values()):
         cell = dict(zip(FACTORS, values))
-        if repair_once_stable(cell) != cell:
+        if not needs_met(cell):
             continue
         key = tuple(cell.values())
         if key in seen:
