@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 
+import numpy as np
 import pytest
 import torch
 
@@ -150,16 +151,45 @@ def test_global_batch_is_the_same_in_another_process():
     assert json.loads(out.stdout) == here
 
 
-def test_every_window_can_be_drawn_including_the_last():
-    seq_len = 10
-    tokens = stream(seq_len + 3)  # three possible windows: starts 0, 1, 2
-    data = TokenBatches(tokens, seq_len=seq_len, global_batch=8, seed=0)
-    starts = set()
-    for step in range(20):
-        batch = data.global_batch_at(step)
-        starts |= set(batch[:, 0].tolist())
-        assert batch[:, -1].max() < len(tokens)
-    assert starts == {0, 1, 2}
+@pytest.mark.parametrize("n_tokens,seq_len,G", [(13, 10, 8), (5000, 16, 12), (4097, 8, 7), (1001, 10, 100)])
+def test_every_window_once_per_epoch(n_tokens, seq_len, G):
+    """Windows are drawn without replacement: over any epoch's span of samples, each of the N
+    windows ((n - 1) // seq_len of them, overlapping by the one token a target shifts in) comes
+    exactly once, whatever G is (steps straddle epochs when G does not divide N)."""
+    data = TokenBatches(stream(n_tokens), seq_len=seq_len, global_batch=G, seed=5)
+    n = (n_tokens - 1) // seq_len
+    assert data.windows == [n]
+    steps = -(-3 * n // G) + 1
+    starts = torch.cat([data.global_batch_at(k)[:, 0] for k in range(steps)]).tolist()
+    for e in range(3):
+        epoch = sorted(starts[e * n:(e + 1) * n])
+        assert epoch == [w * seq_len for w in range(n)], e
+    assert data.epochs(steps)[0] == pytest.approx(steps * G / n)
+    # epochs are ordered differently (a permutation keyed by the epoch), unless there is one window
+    if n > 2:
+        assert starts[:n] != starts[n:2 * n]
+
+
+@pytest.mark.parametrize("n", list(range(1, 70)) + [1000, 4097, 65536, 99991])
+def test_permutation_is_a_bijection(n):
+    from ultrascale.train.data import permute
+
+    out = permute(np.arange(n), n, key=12345)
+    assert sorted(out.tolist()) == list(range(n))
+    # computed for any subset of positions alone, it agrees (a step needs only its own windows)
+    pick = np.arange(0, n, 3)
+    assert permute(pick, n, key=12345).tolist() == out[pick].tolist()
+    if n >= 8:
+        assert out.tolist() != permute(np.arange(n), n, key=54321).tolist()
+        assert out.tolist() != list(range(n))
+
+
+def test_permutation_is_flat_in_memory_and_fast_for_a_billion_windows():
+    from ultrascale.train.data import permute
+
+    n = 10**9 + 7
+    out = permute(np.arange(512) + 123_456_789, n, key=7)
+    assert len(set(out.tolist())) == 512 and out.min() >= 0 and out.max() < n
 
 
 def test_exactly_one_window_of_data_is_enough():

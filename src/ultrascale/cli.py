@@ -75,10 +75,16 @@ TRAIN_FLAGS = [
                                     "emulated on the CPU)"),
     ("--compile", "train", "compile", bool, "torch.compile each transformer block (regional compilation)"),
     ("--seed", "train", "seed", int, "seed of the initial weights and of the data order"),
-    ("--data", "train", "data", str, "text file, directory, glob, .jsonl, or hf:NAME (default: Python's stdlib)"),
+    ("--data", "train", "data", str, "text file, directory, glob, .jsonl, .parquet, hf:NAME, a directory of "
+                                     "`ultrascale data prepare`, or a blend \"0.7 DIR_A 0.3 DIR_B\" "
+                                     "(default: Python's stdlib)"),
     ("--data-column", "train", "data_column", str, "text field of JSONL lines or dataset rows"),
     ("--data-split", "train", "data_split", str, "split of an hf: dataset"),
     ("--tokenizer", "train", "tokenizer", str, "'bytes' or a local Hugging Face tokenizer directory"),
+    ("--val-fraction", "train", "val_fraction", float, "share of a raw --data held out for validation "
+                                                        "(a prepared corpus keeps the split it was prepared with)"),
+    ("--eval-every", "train", "eval_every", int, "the validation loss every N steps and at the last (0: never)"),
+    ("--eval-batches", "train", "eval_batches", int, "global batches of the held-out split per evaluation"),
     ("--save", "train", "save", str, "checkpoint directory, written at the end (and every --save-every)"),
     ("--save-every", "train", "save_every", int, "also save every N steps"),
     ("--overwrite", "train", "overwrite", bool, "let --save replace a checkpoint of another run (another model, "
@@ -193,14 +199,10 @@ def _precheck(cfg) -> None:
 
         cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
         check_fp8_support("cuda" if cuda else "cpu")
-    if t.data and not t.data.startswith("hf:"):
-        from ultrascale.train.data import _text_files
+    if t.data or t.eval_every:
+        from ultrascale.train.data import check_source
 
-        _text_files(t.data)
-    if t.data.startswith("hf:"):
-        from ultrascale.train.data import iter_documents
-
-        next(iter_documents(t.data, t.data_column, t.data_split), None)  # the dataset, its split and column
+        check_source(t, cfg.global_batch)  # the files, the dataset's split and column, a prepared index, a raw source's size
     if t.tokenizer not in ("", "bytes"):
         from ultrascale.train.data import load_tokenizer
 
@@ -371,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     # Each further command registers itself here with its module's add_parser(sub).
     from ultrascale.parallel.pipeline.cli import add_parser as add_pp_schedule; add_pp_schedule(sub)  # noqa: E702
     from ultrascale.export import add_parser as add_export; add_export(sub)  # noqa: E702
+    from ultrascale.generate import add_parser as add_generate; add_generate(sub)  # noqa: E702
     from ultrascale.plan.cli import add_parser as add_plan; add_plan(sub)  # noqa: E702
+    from ultrascale.train.prepare import add_parser as add_data; add_data(sub)  # noqa: E702
     from ultrascale.train.trace_report import add_parser as add_trace; add_trace(sub)  # noqa: E702
     from ultrascale.series.cli import add_parser as add_notebook; add_notebook(sub)  # noqa: E702
     from ultrascale.train.peak import add_parser as add_peak; add_peak(sub)  # noqa: E702

@@ -145,6 +145,10 @@ class TrainConfig:
     data_column: str = "text"
     data_split: str = "train"
     tokenizer: str = "bytes"  # "bytes" or a local Hugging Face tokenizer directory
+    # The held-out share of a raw source (train/corpus.py: sections by hash); a prepared corpus keeps its own.
+    val_fraction: float = 0.01
+    eval_every: int = 0  # the validation loss every N steps (0: never), and at the last step
+    eval_batches: int = 8  # global batches of the held-out split per evaluation
     save: str = ""
     save_every: int = 0
     overwrite: bool = False  # --save may replace a checkpoint of another run (train/resume.py check_save_target)
@@ -203,6 +207,11 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         raise ConfigError(f"--seed and --weight-decay must be >= 0, got {t.seed} and {t.weight_decay:g}")
     if t.save_every < 0:
         raise ConfigError(f"--save-every must be 0 (off) or positive, got {t.save_every}")
+    if t.eval_every < 0 or t.eval_batches <= 0:
+        raise ConfigError(f"--eval-every must be 0 (off) or positive and --eval-batches positive, got "
+                          f"{t.eval_every} and {t.eval_batches}")
+    if not 0 <= t.val_fraction < 1:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {t.val_fraction:g}")
     if t.seq_len > cfg.model.max_seq_len:
         raise ConfigError(
             f"--seq-len {t.seq_len} exceeds the model's limit of {cfg.model.max_seq_len} positions: "

@@ -38,6 +38,7 @@ STEP = "step"
 FORWARD = "forward"
 BACKWARD = "backward"
 OPTIMIZER = "optimizer"  # clipping (with its norm all-reduce), AdamW, the copy back to the model
+EVAL = "eval"  # a validation batch's forward, between steps (--eval-every)
 COMPUTE = (FORWARD, BACKWARD, OPTIMIZER)
 
 COMM_PREFIX = "comm:"

@@ -9,11 +9,15 @@ Each technique transforms this module instead of being written into it:
 - recomputation wraps blocks, or the `core_attention` of each block;
 - context parallelism swaps `core_attention` for ring attention and passes the
   global `positions` of its sequence shard.
+
+Generation (generate.py) passes a `KVCache`: the keys and values of the positions
+already seen, so each new token costs one position's forward, not the whole sequence's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import zlib
 
@@ -67,6 +71,47 @@ class CoreAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
+class KVCache:
+    """The keys and values of the positions a model has already seen, for incremental decoding.
+
+    Per block (by its key in `model.layers`), K and V [b, kv_heads, max_len, head_dim], allocated
+    at the block's first write from the tensors it writes: the cache knows no head counts or dtype,
+    so grouped-query attention stores its kv_heads only. `length` positions of every block are
+    filled. A forward given the cache writes its s new positions at length..length+s-1 in each
+    block, attends over all length+s, and then advances `length` by s (Transformer.forward).
+    """
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.length = 0
+        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def extend(self, layer: str, k, v):
+        """Write block `layer`'s new k, v [b, kv_heads, s, d] after the filled positions; all of them so far."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"the cache holds {self.max_len} positions, this forward needs {end}")
+        if layer not in self.kv:
+            shape = (*k.shape[:2], self.max_len, k.shape[3])
+            self.kv[layer] = (k.new_empty(shape), v.new_empty(shape))
+        ck, cv = self.kv[layer]
+        ck[:, :, self.length:end] = k
+        cv[:, :, self.length:end] = v
+        return ck[:, :, :end], cv[:, :, :end]
+
+
+def cached_attention(q, k, v):
+    """Attention of s new queries over the t >= s keys so far, the last s of them the queries' own:
+    query i sees keys 0..t-s+i. (SDPA's is_causal aligns the mask to the top-left corner, which
+    is right only when s == t.)"""
+    s, t = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    if s == t:  # the prompt, into an empty cache: the training forward's call
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    mask = None if s == 1 else torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -78,7 +123,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.core_attention = CoreAttention()
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, kv=None):
+        """kv: when decoding with a cache, a function that appends this block's new keys and values
+        [b, kv_heads, s, d] to it and returns all of them so far (KVCache.extend, bound to the block)."""
         b, s, _ = x.shape
         # The head counts come from the projections' widths, so a tensor-parallel
         # shard of the projections gives a shard of the heads with no change here.
@@ -88,7 +135,10 @@ class Attention(nn.Module):
         # Rotate in [b, s, heads, d] and only then view as [b, heads, s, d] for attention: the
         # output comes back in the same [b, s, heads, d] memory order, and o_proj's input is a
         # view of it instead of a copy kept for backward.
-        out = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if kv is None:
+            out = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        else:  # the keys are cached after RoPE: each was rotated once, at its own position
+            out = cached_attention(q.transpose(1, 2), *kv(k.transpose(1, 2), v.transpose(1, 2)))
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -117,8 +167,9 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = MoE(cfg) if moe else MLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos, sin, kv=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv)
+        # The MLP (or MoE) sees each position on its own: the cache changes nothing for it.
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -142,18 +193,26 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens, positions=None):
+    def forward(self, tokens, positions=None, cache: KVCache | None = None):
         """tokens [b, s] (or hidden states [b, s, h] on a pipeline stage without the
         embedding) -> logits [b, s, vocab] (or hidden states on a stage without the head).
-        positions: the global positions of the s tokens, 0..s-1 by default."""
+        positions: the global positions of the s tokens, 0..s-1 by default.
+        cache: the positions seen before these s tokens (incremental decoding): they attend to
+        them too, at positions cache.length.. by default, and are added to the cache."""
         x = self.embed(tokens) if self.embed is not None else tokens
         s = tokens.shape[1]  # not x's: sequence parallelism may hand back a shard of the sequence
         if positions is None:
-            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+            start = 0 if cache is None else cache.length
+            cos, sin = self.rope_cos[start:start + s], self.rope_sin[start:start + s]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        for block in self.layers.values():
-            x = block(x, cos, sin)
+        if cache is None:
+            for block in self.layers.values():
+                x = block(x, cos, sin)
+        else:
+            for name, block in self.layers.items():
+                x = block(x, cos, sin, functools.partial(cache.extend, name))
+            cache.length += s
         if self.norm is None:
             return x
         x = self.norm(x)

@@ -69,12 +69,13 @@ class RunRecord:
     first_grads: dict[str, torch.Tensor] | None
     state: dict[str, torch.Tensor]
     memory: list[dict] = field(default_factory=list)
+    val_losses: list[float] = field(default_factory=list)  # the validation losses (--eval-every), in order
 
     @classmethod
     def of(cls, result) -> "RunRecord":
         m = result.metrics
         return cls(result.losses, [x["grad_norm"] for x in m], [x["lr"] for x in m], result.first_grads,
-                   result.state, [x["memory"] for x in m])
+                   result.state, [x["memory"] for x in m], [x["val_loss"] for x in m if "val_loss" in x])
 
 
 @dataclass
@@ -136,7 +137,10 @@ def worst(values) -> float:
 def compare(label: str, ref: RunRecord, got: RunRecord, record: bool = True) -> Comparison:
     assert len(got.losses) == len(ref.losses), f"{label}: {len(got.losses)} steps vs {len(ref.losses)}"
     assert ref.state.keys() == got.state.keys(), f"{label}: parameter names differ: {ref.state.keys() ^ got.state.keys()}"
-    loss_rel = worst(abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses))
+    assert len(got.val_losses) == len(ref.val_losses), f"{label}: {len(got.val_losses)} validation losses vs " \
+                                                           f"{len(ref.val_losses)}"
+    # The losses: every step's training loss and every validation loss (held to the same bound).
+    loss_rel = worst(abs(a - b) / abs(b) for a, b in zip(got.losses + got.val_losses, ref.losses + ref.val_losses))
     norm_rel = worst(abs(a - b) / abs(b) for a, b in zip(got.grad_norms, ref.grad_norms))
     grad_rel, worst_grad = 0.0, "-"
     if ref.first_grads is not None or got.first_grads is not None:

@@ -51,6 +51,9 @@ FAULTS = {
                                      "ones included",
     "moe-loads-per-cp-shard": "MoE balance losses from each context-parallel shard's own loads",
     "moe-loads-per-sp-shard": "MoE balance losses from each sequence-parallel shard's own loads",
+    # The validation loss (train/trainer.py evaluate).
+    "eval-loss-not-averaged": "the validation loss of each rank's own rows and tokens, not averaged over dp x cp",
+    "eval-rows-of-rank-0": "every data-parallel rank evaluates rank 0's rows of the validation batch",
 }
 
 
@@ -113,6 +116,41 @@ def _count_first_twice():
         return mbs[:-1] + mbs[:1] if len(mbs) > 1 else mbs
 
     return mock.patch.object(TokenBatches, "micro_batches", twice)
+
+
+def _eval_loss_not_averaged():
+    """Trainer.evaluate with the context's average over the data ranks turned into the rank's own value."""
+    from ultrascale.train.trainer import Trainer
+
+    original = Trainer.evaluate
+
+    def local(self):
+        real = self.ctx.all_reduce_mean
+        self.ctx.all_reduce_mean = lambda value, name="dp_cp": value
+        try:
+            return original(self)
+        finally:
+            self.ctx.all_reduce_mean = real
+
+    return mock.patch.object(Trainer, "evaluate", local)
+
+
+def _eval_rows_of_rank_0():
+    """The validation batches' rows read as data-parallel rank 0's on every rank."""
+    from ultrascale.train.trainer import Trainer
+
+    original = Trainer.evaluate
+
+    def rank_0(self):
+        val = self.val
+        real = val.micro_batches
+        val.micro_batches = lambda step, dp_rank, dp, *a, **k: real(step, 0, dp, *a, **k)
+        try:
+            return original(self)
+        finally:
+            val.micro_batches = real
+
+    return mock.patch.object(Trainer, "evaluate", rank_0)
 
 
 def _sp_norms_not_summed():
@@ -337,6 +375,8 @@ _PATCHES = {
     "adam-steps-from-training-step": _adam_steps_from_training_step,
     "moe-loads-per-cp-shard": lambda: _moe_loads_per_shard("cp"),
     "moe-loads-per-sp-shard": lambda: _moe_loads_per_shard("sp"),
+    "eval-loss-not-averaged": _eval_loss_not_averaged,
+    "eval-rows-of-rank-0": _eval_rows_of_rank_0,
 }
 
 

@@ -73,7 +73,7 @@ def global_batch(cell: Cell) -> int:
 # The loss scale per sequence of the global batch (each micro-batch's backward starts from scale /
 # micro-batches): 2^17 x 4 makes one process skip steps 1 and 3, dense and MoE, at either batch.
 FP16_SCALE_PER_SEQUENCE = 2.0 ** 17
-SEED = 5
+SEED = 1
 
 Cell = dict  # factor -> value
 
@@ -167,7 +167,7 @@ def config(cell: Cell, workdir: str = "", batch: int = 0) -> RunConfig:
     train = TrainConfig(steps=STEPS, seq_len=SEQ_LEN, micro_batch=1, grad_accum=batch // cell["dp"],
                         lr=3e-3, warmup_steps=1, dtype=cell["dtype"], recompute=cell["recompute"],
                         compile=cell["compile"], seed=SEED, loss_scale_init=FP16_SCALE_PER_SEQUENCE * batch,
-                        progress=False, peak="1", nproc=world(cell))
+                        progress=False, peak="1", nproc=world(cell), eval_every=STEPS, eval_batches=1)
     return RunConfig(model=model, parallel=parallel, train=train)
 
 
@@ -303,9 +303,17 @@ def reference(cell: Cell):
 # parallelism's blockwise merges) and one process, and with a capacity the tokens an expert drops
 # change with it. Those differ by the few tokens that went elsewhere: 0.12 at most (with capacity
 # 1.0), while the same cells in fp32 hold to 1e-6. Their bound, about twice that, catches a missing
-# reduction or a wrong scale (O(1)), not a rounding; the fp32 and fp16 cells carry the precision.
+# reduction or a wrong scale (O(1)), not a rounding. fp16 MoE cells with a capacity meet the same at
+# the capacity's edge, where a near-tie decides which token an expert drops (measured with tp 2:
+# step-1 expert gradients 9.3e-2, the norm before them 2.9e-2 of sum(lr)): their MoE layers too.
+# The fp32 cells, and fp16 without a capacity, carry the precision.
 FP16_CELLS = dict(loss_rtol=2e-4, grad_rtol=8e-3, norm_rtol=5e-4, param_mean=5e-3)
 BF16_ROUTED = 0.25
+
+
+def _routing_bound(cell: Cell) -> bool:
+    """Whether the cell's MoE layers are held to BF16_ROUTED (16-bit routing near-ties, see above)."""
+    return cell["model"] == "moe" and (cell["dtype"] == "bf16" or (cell["dtype"] == "fp16" and bool(cell["capacity"])))
 
 
 def _routed(name: str) -> bool:
@@ -319,7 +327,8 @@ def _tolerance(dtype: str, routed: bool = False):
     if dtype == "fp32":
         return FP32
     if dtype == "fp16":
-        return Tolerance(**FP16_CELLS)
+        fp16 = Tolerance(**FP16_CELLS)
+        return dataclasses.replace(fp16, grad_rtol=BF16_ROUTED, param_mean=BF16_ROUTED) if routed else fp16
     if routed:
         return Tolerance(loss_rtol=BF16.loss_rtol, grad_rtol=BF16_ROUTED, norm_rtol=BF16.norm_rtol,
                          param_mean=BF16_ROUTED)
@@ -378,10 +387,12 @@ def run_cell(cell: Cell, fault: str | None = None, backend: str = COMPILE_BACKEN
         if not cell["resume"]:
             return run(cfg)
         save = os.path.join(workdir, "ck")
-        first = run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=SAVE_AT, save=save)))
+        # (The first part evaluates nothing: the uninterrupted run's only evaluation is at the last step.)
+        first = run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=SAVE_AT, save=save,
+                                                                        eval_every=0)))
         rest = run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=save)))
         return RunRecord(first.losses + rest.losses, first.grad_norms + rest.grad_norms, first.lrs + rest.lrs,
-                         first.first_grads or rest.first_grads, rest.state)
+                         first.first_grads or rest.first_grads, rest.state, val_losses=rest.val_losses)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -400,6 +411,8 @@ def check_cell(cell: Cell, fault: str | None = None, backend: str = COMPILE_BACK
         problems.append(f"fp16 skipped steps {skipped(got)}, one process {skipped(ref)}")
     if cell["dtype"] == "fp16" and not skipped(ref):
         problems.append("no fp16 step overflowed: raise FP16_SCALE_PER_SEQUENCE, the check needs a skip")
+    if not ref.val_losses or len(got.val_losses) != len(ref.val_losses):
+        problems.append(f"validation losses: {len(got.val_losses)}, one process {len(ref.val_losses)} (want 1 each)")
     if problems:  # another trajectory: nothing more to compare
         return None, problems
     keep = [i for i, n in enumerate(ref.grad_norms) if n is not None]
@@ -409,13 +422,13 @@ def check_cell(cell: Cell, fault: str | None = None, backend: str = COMPILE_BACK
 
     label = name(cell) + (f" [fault: {fault}]" if fault else "")
     ref, got = finite_only(ref), finite_only(got)
-    if cell["dtype"] != "bf16" or cell["model"] != "moe":
+    if not _routing_bound(cell):
         c = compare(label, ref, got, record=fault is None)
         return c, problems + c.failures(_tolerance(cell["dtype"]))
-    # bf16 with experts: the routed tensors against their own bound (see BF16_ROUTED).
+    # 16-bit routing: the MoE layers' tensors against their own bound (see BF16_ROUTED).
     c = compare(label, _only(ref, False), _only(got, False), record=fault is None)
     routed = compare(label + " (MoE layers)", _only(ref, True), _only(got, True), record=fault is None)
-    return c, problems + c.failures(_tolerance("bf16")) + routed.failures(_tolerance("bf16", routed=True))
+    return c, problems + c.failures(_tolerance(cell["dtype"])) + routed.failures(_tolerance(cell["dtype"], routed=True))
 
 
 def _only(record, routed: bool):
@@ -433,6 +446,9 @@ FAULT_CELLS = {
     "adam-steps-from-training-step": lambda c: c["dtype"] == "fp16" and c["resume"],
     "moe-loads-per-cp-shard": lambda c: c["model"] == "moe" and c["cp"] != "none",
     "moe-loads-per-sp-shard": lambda c: c["model"] == "moe" and c["sp"],
+    # The validation loss (--eval-every, at each cell's last step): the mistakes of a first evaluation loop.
+    "eval-loss-not-averaged": lambda c: c["dp"] > 1 or c["cp"] != "none",
+    "eval-rows-of-rank-0": lambda c: c["dp"] > 1,
 }
 
 

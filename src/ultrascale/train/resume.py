@@ -27,7 +27,7 @@ from ultrascale.errors import ConfigError
 FORMAT = 3  # of the checkpoint directory (train/checkpoint.py); 3: meta.json lists every file, with its checksum
 READABLE = (2, 3)  # 2 is 3 without the file list: its tensors load the same, unverified
 # TrainConfig fields that change what the continuation computes.
-SAME_TRAIN = ("seq_len", "seed", "data", "data_column", "data_split", "tokenizer", "dtype", "lr", "min_lr_ratio",
+SAME_TRAIN = ("seq_len", "seed", "data", "data_column", "data_split", "tokenizer", "val_fraction", "dtype", "lr", "min_lr_ratio",
               "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "fp8",
               "loss_scale_window")
 # Of those, the learning-rate schedule: --override-schedule takes this run's (lr_at is a function
@@ -111,7 +111,7 @@ def check_resume(path: str, meta: dict, cfg) -> None:
 
 
 # What makes a checkpoint another run's, besides the model's shape: what its batches are drawn from.
-RUN_IDENTITY = ("seed", "data", "data_column", "data_split", "tokenizer", "seq_len")
+RUN_IDENTITY = ("seed", "data", "data_column", "data_split", "tokenizer", "val_fraction", "seq_len")
 
 
 def check_save_target(cfg) -> None:

@@ -28,9 +28,9 @@ from ultrascale.distributed.context import ParallelContext
 from ultrascale.errors import Diverged
 from ultrascale.model import build_model, flops_per_token
 from ultrascale.model.moe import moe_layers, step_loads, update_router_bias
-from ultrascale.spans import BACKWARD, FORWARD, OPTIMIZER, STEP, comm, span
+from ultrascale.spans import BACKWARD, EVAL, FORWARD, OPTIMIZER, STEP, comm, span
 from ultrascale.train import resume
-from ultrascale.train.data import TokenBatches, load_tokenizer, load_tokens
+from ultrascale.train.data import check_eval, is_prepared_spec, load_tokenizer, prepared_tokenizer, run_batches
 from ultrascale.train.loss_scale import DynamicLossScaler
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_resident_bytes, storage_bytes
 from ultrascale.train.optim import build_adamw, clip_grad_norm_, lr_at
@@ -59,14 +59,16 @@ class Trainer:
 
         check_dtype_support(t.dtype, ctx.device)  # before any work: a dtype this device cannot run
         self.scaler = (DynamicLossScaler(t.loss_scale_init, t.loss_scale_window) if t.dtype == "fp16" else None)
-        tokenizer = load_tokenizer(t.tokenizer)
-        if tokenizer.vocab_size > cfg.model.vocab_size:
+        # A prepared corpus names the tokenizer it was made with; a raw one is tokenized with --tokenizer.
+        vocab = (prepared_tokenizer(t.data).get("vocab_size", 257) if is_prepared_spec(t.data)
+                 else load_tokenizer(t.tokenizer).vocab_size)
+        if vocab > cfg.model.vocab_size:
             from ultrascale.errors import ConfigError
 
-            raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                              f"{cfg.model.vocab_size}: pass --vocab-size {tokenizer.vocab_size}")
-        self.data = TokenBatches(load_tokens(t.data, t.tokenizer, t.data_column, t.data_split),
-                                 t.seq_len, cfg.global_batch, t.seed)
+            raise ConfigError(f"the tokenizer has {vocab} tokens but the model only "
+                              f"{cfg.model.vocab_size}: pass --vocab-size {vocab}")
+        self.data, self.val, self.data_line = run_batches(t, cfg.global_batch)
+        check_eval(t, self.val, cfg.global_batch)  # under torchrun no launcher checked it
 
         # --init-from hf:DIR: trained weights instead of the random draw; each rank reads the
         # full tensors it needs and keeps its slice of them, whatever the layout.
@@ -199,6 +201,36 @@ class Trainer:
             **({"loss_scale": scale, "skipped": not finite} if scale is not None else {}),
         }
 
+    def eval_batches(self) -> int:
+        """Validation batches per evaluation: --eval-batches, or as many as the held-out split holds."""
+        return 0 if self.val is None else min(self.cfg.train.eval_batches, self.val.batches_in_order())
+
+    def evaluate(self) -> float:
+        """The mean loss over the first eval_batches() global batches of the held-out split: each rank
+        its rows, forward only, averaged over the data ranks as the training loss is (the same global
+        batch, whatever the layout, so every layout's validation loss is one process's)."""
+        cfg, ctx, t = self.cfg, self.ctx, self.cfg.train
+        was_training = self.model.training
+        self.model.eval()
+        total, n = 0.0, self.eval_batches()
+        try:
+            for b in range(n):
+                micro_batches = self.val.micro_batches(b, ctx.coords["dp"], cfg.parallel.dp, t.grad_accum, ctx.device)
+                micro_batches = parallel.shard_sequences(micro_batches, ctx, cfg)
+                with torch.no_grad(), span(EVAL):
+                    if self.pipeline is not None:
+                        loss = self.pipeline.evaluate(micro_batches)
+                    else:
+                        loss = sum(self.loss_fn(self.model(x, pos), y).item() for x, y, pos in micro_batches)
+                        loss /= len(micro_batches)
+                with comm("loss.all_reduce"):
+                    total += ctx.all_reduce_mean(loss)
+        finally:
+            self.model.train(was_training)
+            for m in self.moe:  # a forward's routing counts belong to the training step that follows
+                m.reset_stats()
+        return total / n
+
     def optimizer_step(self, finite: bool = True) -> tuple[float | None, float]:
         """Clip the reduced gradients, update the main parameters, copy them to the model; a step
         whose gradients overflowed (fp16) is skipped, and has no meaningful norm."""
@@ -294,6 +326,10 @@ class Trainer:
         log = _Log(t, ctx.is_logging_rank, self.step, self.log_to_stdout)
         # --profile: a torch.profiler trace of the --profile-steps window (nothing at all without it).
         profiler = profile_window(t, ctx.rank, ctx.device, self.step + 1)
+        log.say(f"data: {self.data_line}")
+        if t.eval_every:
+            log.say(f"validation: every {t.eval_every} steps, {self.eval_batches()} global batches "
+                    f"({self.eval_batches() * self.cfg.global_batch * t.seq_len:,} tokens) of the held-out split")
         log.say(f"peak {self.peak:.4g} TFLOP/s per device ({self.peak_source}, {t.dtype}, "
                 f"{describe_device(ctx.device)}): MFU is measured against it")
         try:
@@ -302,6 +338,10 @@ class Trainer:
                 with span(STEP):
                     m = self.train_step()
                 profiler.step_done()
+                m["epoch"] = self.data.epochs(self.step)[0] if len(self.data.sources) == 1 else \
+                    self.data.epochs(self.step)
+                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    m["val_loss"] = self.evaluate()
                 result.losses.append(m["loss"])
                 result.metrics.append(m)
                 log.write(m)
@@ -407,6 +447,10 @@ def tensorboard_scalars(m: dict) -> dict[str, float]:
     out = {f"train/{k}": m[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "step_time_s")}
     out.update({f"memory/{k}": v for k, v in m["memory"].items()})
     out.update({f"moe/{k}": v for k, v in m.get("moe", {}).items()})
+    if "val_loss" in m:
+        out["val/loss"] = m["val_loss"]
+    if isinstance(m.get("epoch"), float):
+        out["train/epoch"] = m["epoch"]
     return {k: float(v) for k, v in out.items() if v is not None}
 
 
@@ -424,7 +468,11 @@ def format_step(m: dict) -> str:
     norm = "skipped" if m["grad_norm"] is None else f"{m['grad_norm']:.3f}"
     scale = "" if "loss_scale" not in m else (
         f" | loss scale {m['loss_scale']:g}{' (overflow: step skipped)' if m['skipped'] else ''}")
-    return (f"step {m['step']:>5} | loss {m['loss']:.4f} | grad norm {norm} | lr {m['lr']:.2e} | "
+    val = f" | val loss {m['val_loss']:.4f}" if "val_loss" in m else ""
+    epoch = m.get("epoch")
+    epoch = "" if epoch is None else f" | epoch {epoch:.3g}" if isinstance(epoch, float) else \
+        " | epochs " + "/".join(f"{e:.3g}" for e in epoch)
+    return (f"step {m['step']:>5} | loss {m['loss']:.4f}{val}{epoch} | grad norm {norm} | lr {m['lr']:.2e} | "
             f"{m['tokens_per_s']:,.0f} tok/s | {m['tflops']:.3g} TFLOP/s{mfu} | "
             f"params {_mb(mem['params'])} grads {_mb(mem['grads'])} optim {_mb(mem['optim'])} "
             f"act {_mb(mem['activations'])}{moe}{scale}")

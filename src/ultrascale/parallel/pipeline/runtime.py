@@ -171,6 +171,29 @@ class PipelineRuntime:
             self.meter.peak = max(self.meter.peak, peak)
         return self._mean_loss(losses)
 
+    def evaluate(self, micro_batches) -> float:
+        """Forward only (the validation loss): every micro-batch through the virtual stages in order,
+        each rank running the stages it holds; the mean loss on every pipeline rank. No schedule is
+        needed: nothing waits for a backward, so a stage only waits for its input (sends are
+        asynchronous), and no activation is kept."""
+        stages = virtual_stages(self.rank, self.p, self.v, self.vshape)
+        losses, sends = {}, []
+        with torch.no_grad():
+            for micro, (inputs, targets, positions) in enumerate(micro_batches):
+                for c, stage in enumerate(stages):
+                    chunk = self.chunks[c]
+                    x = inputs if chunk.first else self._recv(stage, "F", micro, stage - 1)
+                    with span(FORWARD):
+                        out = chunk(x, self.seq_len, positions)
+                    if chunk.last:
+                        losses[(micro, c)] = self.loss_fn(out, targets)
+                    else:
+                        self._send(out, stage + 1, "F", micro, sends)
+        with comm("pp.wait"):
+            for work, _ in sends:
+                work.wait()
+        return self._mean_loss(losses)
+
     def _backward(self, a, outputs, recv_grad) -> None:
         key = (a.micro, a.chunk)
         if a.kind == "W":
