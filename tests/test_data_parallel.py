@@ -191,7 +191,7 @@ def _peer_run(cfg, peer):
     from torch.nn.parallel import DistributedDataParallel
 
     from ultrascale.model import build_model, cross_entropy_loss
-    from ultrascale.train.data import TokenBatches, load_tokens
+    from ultrascale.train.data import run_batches
     from ultrascale.train.optim import build_adamw, lr_at
 
     ctx, t = worker_context(cfg.parallel), cfg.train
@@ -208,7 +208,7 @@ def _peer_run(cfg, peer):
         no_sync = contextlib.nullcontext  # FSDP2 reduce-scatters every micro-batch, as our ZeRO-3 does
     params = list(model.parameters())
     opt = build_adamw(params, [p.ndim >= 2 for p in params], t)
-    data = TokenBatches(load_tokens(t.data), t.seq_len, cfg.global_batch, t.seed)
+    data = run_batches(t, cfg.global_batch)[0]  # the trainer's own batches (its held-out split kept apart)
     full = lambda ts: {n: (x.full_tensor() if hasattr(x, "full_tensor") else x).detach().clone()  # noqa: E731
                        for n, x in zip(names, ts)}
     losses, norms, lrs, first_grads = [], [], [], None

@@ -183,11 +183,12 @@ def fine_tuned(tmp_path_factory):
 
 
 def test_init_from_trains_from_the_transformers_weights(fine_tuned):
-    from ultrascale.train.data import TokenBatches, load_tokens
+    from ultrascale.config import TrainConfig
+    from ultrascale.train.data import run_batches
 
     root, hf = fine_tuned
     # The first step's loss is the transformers model's own loss on the first batch.
-    batches = TokenBatches(load_tokens(str(root / "data.txt")), seq_len=32, global_batch=4, seed=0)
+    batches = run_batches(TrainConfig(data=str(root / "data.txt"), seq_len=32, seed=0), global_batch=4)[0]
     inputs, targets = batches.micro_batches(0, 0, 1, 1)[0]
     with torch.no_grad():
         expected = cross_entropy_loss(hf(input_ids=inputs).logits, targets).item()
