@@ -64,7 +64,7 @@ BAD = [
     (["--model", "tiny-moe", "--nproc", "4", "--dp", "2", "--cp", "2", "--ep", "2"], "--ep 2 with --cp 2"),
     (["--nproc", "2", "--tp", "2", "--ffn-hidden", "129"], "--tp 2 must divide the MLP width --ffn-hidden 129"),
     (["--nproc", "2", "--tp", "4"], "not divisible"),
-    (["--nproc", "4", "--dp", "3"], "make the product equal --nproc"),
+    (["--nproc", "4", "--dp", "3"], "make the product equal the world size"),
     (["--dtype", "fp8"], "--dtype must be"),
     (["--recompute", "some"], "--recompute must be"),
     (["--dtype", "fp16", "--loss-scale-window", "0"], "--loss-scale-window positive"),
@@ -105,7 +105,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert not (tmp_path / "ck").exists()
 
 
-@pytest.mark.parametrize("args,message", [(["--nproc", "4", "--dp", "3"], "make the product equal --nproc"),
+@pytest.mark.parametrize("args,message", [(["--nproc", "4", "--dp", "3"], "make the product equal the world size"),
                                           (["--data", "/no/such/file.txt"], "no such file"),
                                           (["--nproc", "2", "--cp", "2", "--cp-attention", "zigzag", "--seq-len", "30"],
                                            "--seq-len 30 must divide by 4"),
@@ -176,7 +176,8 @@ def test_a_diverged_run_stops_in_one_line_before_the_update_and_keeps_the_last_s
     from ultrascale.train.checkpoint import read_full_state
 
     ck = str(tmp_path / "ck")
-    r = ultrascale("train", *DIVERGING, "--steps", "6", "--nproc", "2", "--dp", "2", "--save", ck, "--save-every", "1")
+    r = ultrascale("train", *DIVERGING, "--steps", "6", "--nproc", "2", "--dp", "2", "--save", ck, "--save-every", "1",
+                   "--lr-schedule", "constant")
     assert r.returncode == 1 and "done:" not in r.stdout, r.stderr
     [line] = r.stderr.splitlines()  # one line: the rank logs are not kept for it
     assert re.fullmatch(rf"ultrascale: error: step 2: the gradient norm is (nan|inf): training diverged, and "
@@ -210,7 +211,8 @@ def test_override_schedule_resumes_with_another_learning_rate(tmp_path):
     # The field's way back from a divergence: the last save, a lower lr. Steps 3-4 of an
     # uninterrupted run at lr 3e-3, against steps 3-4 resumed from step 2 at lr 1e-3.
     ck, straight, resumed = str(tmp_path / "ck"), str(tmp_path / "straight.jsonl"), str(tmp_path / "resumed.jsonl")
-    run = [*TINY, "--seed", "3", "--warmup-steps", "1"]
+    # (The decay's length given: without it each run's schedule would follow its own --steps.)
+    run = [*TINY, "--seed", "3", "--warmup-steps", "1", "--lr-decay-steps", "4"]
     assert ultrascale("train", *run, "--steps", "4", "--log-jsonl", straight).returncode == 0
     assert ultrascale("train", *run, "--steps", "2", "--save", ck).returncode == 0
     r = ultrascale("train", "--resume", ck, "--steps", "4", "--lr", "1e-3", "--no-progress")

@@ -48,5 +48,5 @@ def test_the_world_size_line_names_the_flag_to_add():
     with pytest.raises(ConfigError, match=r"add --nproc 2 \(or a multiple of 2\)"):
         validate(cfg, 1)
     cfg = RunConfig(model=get_preset("tiny"), parallel=ParallelConfig(dp=3), train=TrainConfig())
-    with pytest.raises(ConfigError, match=r"make the product equal --nproc \(--nproc 3\)"):
+    with pytest.raises(ConfigError, match=r"make the product equal the world size \(--nproc 3\)"):
         validate(cfg, 4)

@@ -381,3 +381,20 @@ def test_the_readmes_data_tour_runs_as_pasted(tmp_path):
     assert "val loss" in outputs[1] and "saved ck-email at step 4" in outputs[1]
     assert outputs[2].startswith("def parse(")
     assert "verified" in outputs[3]
+
+
+def test_a_hugging_face_dataset_directory_prepares_like_it_reads(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    docs = [f"record {i}: " + "ü" * (i % 50) for i in range(50_000)]  # more rows than one segment holds
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "ds"))
+    out = tmp_path / "p"
+    r = ultrascale("data", "prepare", f"hf:{tmp_path / 'ds'}", str(out), "--data-column", "body",
+                   "--val-fraction", "0.05")
+    assert r.returncode == 0, r.stderr
+    raw = load_corpus(f"hf:{tmp_path / 'ds'}", column="body", val_fraction=0.05)
+    assert np.array_equal(shard_stream(out, "train"), raw.train.numpy())
+    assert np.array_equal(shard_stream(out, "val"), raw.val.numpy())
+    index = read_index(str(out))
+    assert index["splits"]["train"]["docs"] + index["splits"]["val"]["docs"] == 50_000
+    assert len(index["splits"]["train"]["shards"]) == 3  # 20,000 rows a segment: three pieces, on two workers

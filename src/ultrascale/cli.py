@@ -59,10 +59,17 @@ TRAIN_FLAGS = [
     ("--seq-len", "train", "seq_len", int, "tokens per sequence"),
     ("--micro-batch", "train", "micro_batch", int, "sequences per micro-batch per data-parallel rank"),
     ("--grad-accum", "train", "grad_accum", int, "micro-batches per optimizer step"),
+    ("--global-batch", "train", "global_batch", int, "sequences per optimizer step (sets --grad-accum: "
+                                                     "micro-batch x grad-accum x dp)"),
     ("--lr", "train", "lr", float, "peak learning rate"),
     ("--min-lr-ratio", "train", "min_lr_ratio", float, "final learning rate as a fraction of the peak"),
     ("--warmup-steps", "train", "warmup_steps", int, "linear warmup steps"),
-    ("--lr-decay-steps", "train", "lr_decay_steps", int, "length of the cosine schedule, warmup included"),
+    ("--lr-schedule", "train", "lr_schedule", str, "after warmup: cosine, linear, wsd (warmup-stable-decay) or "
+                                                    "constant"),
+    ("--lr-decay-steps", "train", "lr_decay_steps", int, "length of the schedule, warmup included (0: --steps; a "
+                                                         "checkpoint keeps the number)"),
+    ("--lr-decay-fraction", "train", "lr_decay_fraction", float, "wsd: the share of the steps after warmup spent "
+                                                                 "decaying"),
     ("--weight-decay", "train", "weight_decay", float, "AdamW weight decay on matrices"),
     ("--grad-clip", "train", "grad_clip", float, "clip the global gradient norm (0: off)"),
     ("--dtype", "train", "dtype", str, "fp32, bf16 or fp16 (16-bit compute, fp32 master weights and gradients; "
@@ -87,6 +94,8 @@ TRAIN_FLAGS = [
     ("--eval-batches", "train", "eval_batches", int, "global batches of the held-out split per evaluation"),
     ("--save", "train", "save", str, "checkpoint directory, written at the end (and every --save-every)"),
     ("--save-every", "train", "save_every", int, "also save every N steps"),
+    ("--keep-last", "train", "keep_last", int, "keep the newest N saves, each in --save/step-NNNNNN (0: one "
+                                               "checkpoint, replaced); --resume of the directory takes the latest"),
     ("--overwrite", "train", "overwrite", bool, "let --save replace a checkpoint of another run (another model, "
                                                 "seed or data); without it that is refused before the run"),
     ("--resume", "train", "resume", str, "checkpoint directory to continue from"),
@@ -108,6 +117,36 @@ TRAIN_FLAGS = [
     ("--timeout", "train", "timeout", float,
      "seconds a collective may wait for the other ranks before the run ends (default 300)"),
 ]
+
+
+# `ultrascale plan`'s names for the same things, taken here too (and plan takes ours): one vocabulary.
+ALIASES = {"--dtype": ("--precision",), "--fp8": ("--float8",), "--pp-schedule": ("--schedule",),
+           "--pp-chunks": ("--chunks",), "--moe-ffn-hidden": ("--expert-ffn-hidden",), "--nproc": ("--gpus",)}
+
+# --help in groups: the TOML file's sections ([model], [parallel], [train]), the [train] section's
+# settings by what they are about.
+HELP_GROUPS = {
+    "model": "model: [model] in a --config file",
+    "parallel": "parallelism: [parallel]",
+    "train": "optimization and precision: [train]",
+    "data": "data and validation: [train]",
+    "checkpoints": "checkpoints and starting points: [train]",
+    "logging": "logging, metrics and profiling: [train]",
+    "run": "processes and devices: [train]",
+}
+_TRAIN_GROUP = {
+    **dict.fromkeys(("data", "data_column", "data_split", "tokenizer", "val_fraction", "eval_every",
+                     "eval_batches"), "data"),
+    **dict.fromkeys(("save", "save_every", "keep_last", "overwrite", "resume", "override_schedule", "init_from"),
+                    "checkpoints"),
+    **dict.fromkeys(("log_jsonl", "log_every", "pp_trace", "profile", "profile_steps", "peak", "tensorboard",
+                     "wandb"), "logging"),
+    **dict.fromkeys(("device", "nproc", "timeout"), "run"),
+}
+
+
+def help_group(section: str, dest: str) -> str:
+    return _TRAIN_GROUP.get(dest, "train") if section == "train" else section
 
 
 class _Parser(argparse.ArgumentParser):
@@ -133,20 +172,30 @@ def _add_train(sub):
     from ultrascale.model.config import presets_table
 
     p = sub.add_parser("train", help="train a model on one or many processes",
+                       usage="ultrascale train [--config FILE] [--model PRESET] [--nproc N] [--dp/--tp/--pp/--cp N] "
+                             "[options below]",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="model presets (--model; a shape flag overrides one field of it):\n"
                               + "\n".join("  " + line for line in presets_table().splitlines()))
     p.add_argument("--config", help="TOML file with [model], [parallel], [train] sections; flags override it")
+    groups = {name: p.add_argument_group(title) for name, title in HELP_GROUPS.items()}
     for flag, section, dest, typ, help_ in TRAIN_FLAGS:
+        group = groups[help_group(section, dest)]
+        names = (flag,) + ALIASES.get(flag, ())
+        if len(names) > 1:
+            help_ = f"{help_} (also {', '.join(names[1:])}, as `plan` says)"
         if typ is bool:
-            p.add_argument(flag, dest=dest, action="store_const", const=True, default=None, help=help_)
+            group.add_argument(*names, dest=dest, action="store_const", const=True, default=None, help=help_)
+            if dest == "sp":
+                group.add_argument("--no-sp", dest="sp", action="store_const", const=False, default=None,
+                                   help="tensor parallelism without sequence parallelism (the default here)")
             continue
         default = _default(section, dest)
         if default not in (None, "") and "default" not in help_:
             help_ = f"{help_} (default: {default:g})" if isinstance(default, float) else f"{help_} (default: {default})"
-        p.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
-    p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
-                   help="no progress bar")
+        group.add_argument(*names, dest=dest, type=typ, default=None, help=help_)
+    groups["logging"].add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
+                                   help="no progress bar")
     p.set_defaults(func=cmd_train)
 
 
@@ -170,6 +219,11 @@ def parse_train_config(args):
     if given["train"].get("resume"):
         from ultrascale.train.resume import read_meta, resume_layer
 
+        from ultrascale.train.resume import latest
+
+        if latest(given["train"]["resume"]) != given["train"]["resume"]:  # a directory of per-step saves
+            given["train"]["resume"] = flags["train"]["resume"] = latest(given["train"]["resume"])
+            file_values.get("train", {}).pop("resume", None)
         meta = read_meta(given["train"]["resume"])
         layer = resume_layer(meta["config"], given)
         file_values = {s: {**layer[s], **file_values.get(s, {})} for s in flags}
@@ -292,6 +346,10 @@ def _clean_partial_save(cfg) -> None:
         from ultrascale.train.checkpoint import clean_partial
 
         clean_partial(cfg.train.save)
+        if cfg.train.keep_last and os.path.isdir(cfg.train.save):  # a per-step save cut short
+            for name in os.listdir(cfg.train.save):
+                if name.startswith("step-") and name.endswith(".tmp"):
+                    clean_partial(os.path.join(cfg.train.save, name[:-len(".tmp")]))
 
 
 def _train_here(cfg) -> int:
@@ -384,7 +442,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the command they were given to: its --help lists what it takes
+        sub = getattr(args, "command", None)
+        prog = f"ultrascale {sub}" if sub else "ultrascale"
+        hint = _close_flag(extra[0], parser, sub)
+        print(f"ultrascale: error: unrecognized arguments: {' '.join(extra)}{hint} (see `{prog} --help`)",
+              file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (ConfigError, Diverged) as e:
@@ -403,6 +469,18 @@ def main(argv=None) -> int:
         # multi-process run exits in _fail_fast instead, with failures.EXIT_PIPE.)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _close_flag(word: str, parser, command) -> str:
+    """'; did you mean --X?' for a flag close to one the command takes."""
+    import difflib
+
+    if not word.startswith("--") or command is None:
+        return ""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices.get(command)
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")] if sub else []
+    near = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.75)
+    return f"; did you mean {near[0]}?" if near else ""
 
 
 if __name__ == "__main__":

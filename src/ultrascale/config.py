@@ -26,6 +26,7 @@ __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "RunConfig", "TrainCo
 
 CP_ATTENTION = ("allgather", "ring", "zigzag", "ulysses")
 # The pipeline schedules parallel/pipeline/schedules.py builds, by name.
+LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")
 PP_SCHEDULES = ("naive", "afab", "1f1b", "interleaved", "zero-bubble", "dualpipev")
 # DualPipe is run in its single-copy, cut-in-half form (DualPipeV): `dualpipe` names it too.
 PP_SCHEDULE_ALIASES = {"dualpipe": "dualpipev"}
@@ -74,24 +75,26 @@ class ParallelConfig:
         if dp == 0:
             if world_size % inner:
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by tp*pp*cp = {inner}: add --nproc {inner} (or a "
+                    f"world size {world_size} is not divisible by tp*pp*cp = {inner}: {_world_of(inner, 'add ')} (or a "
                     f"multiple of {inner}), or lower the sizes"
                 )
             dp = world_size // inner
         if dp * inner != world_size:
             raise ConfigError(
                 f"dp*pp*cp*tp = {dp}*{self.pp}*{self.cp}*{self.tp} = {dp * inner} but the world has "
-                f"{world_size} processes: make the product equal --nproc (--nproc {dp * inner}), or change --dp"
+                f"{world_size} processes: make the product equal the world size ({_world_of(dp * inner)}), "
+                f"or change --dp"
             )
         if dp % self.ep:
             raise ConfigError(f"--ep {self.ep} must divide dp = {dp}: expert groups are carved out of data parallelism")
         if self.dispatch not in ("alltoall", "allgather"):
-            raise ConfigError(f"--dispatch must be alltoall or allgather, got {self.dispatch!r}")
+            raise ConfigError(f"--dispatch must be alltoall or allgather, got {self.dispatch!r}"
+                              + synonym("dispatch", self.dispatch))
         if self.sp and self.tp == 1:
             raise ConfigError("--sp shards activations across the tensor-parallel group: it needs --tp > 1")
         if self.cp_attention not in CP_ATTENTION:
             raise ConfigError(f"--cp-attention must be {', '.join(CP_ATTENTION[:-1])} or {CP_ATTENTION[-1]}, "
-                              f"got {self.cp_attention!r}")
+                              f"got {self.cp_attention!r}" + synonym("cp_attention", self.cp_attention))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.dp_mode not in ("naive", "overlap", "bucket"):
@@ -124,9 +127,14 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 5
-    # The cosine's length is its own setting, not --steps, so that stopping at step 10
-    # and resuming to 20 follows the same learning rates as one 20-step run.
-    lr_decay_steps: int = 1000
+    # The schedule after warmup (train/optim.py): cosine, linear, wsd (warmup-stable-decay: constant,
+    # then a linear decay over the last lr_decay_fraction of the steps) or constant.
+    lr_schedule: str = "cosine"
+    # The schedule's length, warmup included; 0: the run's --steps. validate() writes the number in, so
+    # a checkpoint keeps it and a resume to more steps follows the same learning rates as the run
+    # that was interrupted (--override-schedule takes a new one).
+    lr_decay_steps: int = 0
+    lr_decay_fraction: float = 0.2  # wsd: the share of the steps after warmup spent decaying
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -151,6 +159,8 @@ class TrainConfig:
     eval_batches: int = 8  # global batches of the held-out split per evaluation
     save: str = ""
     save_every: int = 0
+    # Keep the newest N saves, each in --save/step-NNNNNN (0: one checkpoint, replaced at each save).
+    keep_last: int = 0
     overwrite: bool = False  # --save may replace a checkpoint of another run (train/resume.py check_save_target)
     resume: str = ""
     # With resume: the learning-rate schedule (SCHEDULE of train/resume.py) is this run's, not the
@@ -168,6 +178,9 @@ class TrainConfig:
     log_every: int = 1
     device: str = "auto"  # auto | cpu | cuda
     nproc: int = 1
+    # Sequences per optimizer step (Megatron's --global-batch-size, torchtitan's global_batch_size); 0:
+    # micro_batch x grad_accum x dp. Given, it sets grad_accum (validate).
+    global_batch: int = 0
     # Seconds any collective, on any process group, may wait for the other ranks before
     # the run is ended (a hung or dead rank otherwise blocks the rest forever).
     timeout: float = 300.0
@@ -207,6 +220,9 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         raise ConfigError(f"--seed and --weight-decay must be >= 0, got {t.seed} and {t.weight_decay:g}")
     if t.save_every < 0:
         raise ConfigError(f"--save-every must be 0 (off) or positive, got {t.save_every}")
+    if t.keep_last < 0 or (t.keep_last and not t.save):
+        raise ConfigError(f"--keep-last {t.keep_last}: give a positive number of checkpoints with --save DIR "
+                          f"(each save goes into DIR/step-NNNNNN)")
     if t.eval_every < 0 or t.eval_batches <= 0:
         raise ConfigError(f"--eval-every must be 0 (off) or positive and --eval-batches positive, got "
                           f"{t.eval_every} and {t.eval_batches}")
@@ -218,17 +234,28 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
             f"lower --seq-len or raise --max-seq-len"
         )
     if t.dtype not in ("fp32", "bf16", "fp16"):
-        raise ConfigError(f"--dtype must be fp32, bf16 or fp16, got {t.dtype!r}")
+        raise ConfigError(f"--dtype must be fp32, bf16 or fp16, got {t.dtype!r}" + synonym("dtype", t.dtype))
     if not t.loss_scale_init >= 1 or t.loss_scale_window <= 0:
         raise ConfigError(f"--loss-scale-init must be >= 1 and --loss-scale-window positive, got "
                           f"{t.loss_scale_init:g} and {t.loss_scale_window}")
     if t.recompute not in ("none", "selective", "full"):
-        raise ConfigError(f"--recompute must be none, selective or full, got {t.recompute!r}")
+        raise ConfigError(f"--recompute must be none, selective or full, got {t.recompute!r}"
+                          + synonym("recompute", t.recompute))
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got {t.device!r}")
-    if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1 or t.warmup_steps < 0 or t.lr_decay_steps <= 0:
+    if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1 or t.warmup_steps < 0 or t.lr_decay_steps < 0:
         raise ConfigError("--lr must be positive, --min-lr-ratio within [0, 1], --warmup-steps >= 0, "
-                          "--lr-decay-steps > 0")
+                          "--lr-decay-steps >= 0 (0: --steps)")
+    if t.lr_schedule not in LR_SCHEDULES:
+        hint = {"cos": "cosine", "wsd-linear": "wsd", "warmup-stable-decay": "wsd", "const": "constant",
+                "none": "constant"}.get(t.lr_schedule)
+        raise ConfigError(f"--lr-schedule must be {', '.join(LR_SCHEDULES)}, got {t.lr_schedule!r}"
+                          + (f" (that is {hint!r} here)" if hint else ""))
+    if not 0 < t.lr_decay_fraction <= 1:
+        raise ConfigError(f"--lr-decay-fraction must be in (0, 1], got {t.lr_decay_fraction:g}")
+    if not t.lr_decay_steps:  # the schedule follows --steps, and says so in the checkpoint
+        t = replace(t, lr_decay_steps=t.steps)
+        cfg = replace(cfg, train=t)
     if t.grad_clip < 0:
         raise ConfigError(f"--grad-clip must be >= 0 (0 turns clipping off), got {t.grad_clip}")
     if t.profile:
@@ -261,6 +288,7 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
                           "--resume DIR (a new run takes --lr and the rest as given)")
     try:
         parallel = cfg.parallel.resolve(world_size)
+        cfg = _fit_accumulation(cfg, parallel)
     except ConfigError:
         # The sizes may not fit the world (a forgotten --nproc) and also not fit the model: name the
         # model's mistake first, found with the sizes asked for, since fixing --nproc alone would not do.
@@ -272,6 +300,57 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
     check_experts(cfg.model, parallel)
     check_implemented(parallel)
     return replace(cfg, parallel=parallel)
+
+
+def _fit_accumulation(cfg: RunConfig, parallel: ParallelConfig) -> RunConfig:
+    """--global-batch G: the accumulation that makes micro_batch x grad_accum x dp = G sequences."""
+    t = cfg.train
+    if t.global_batch < 0:
+        raise ConfigError(f"--global-batch must be a positive number of sequences, got {t.global_batch}")
+    if not t.global_batch:
+        return cfg
+    per = t.micro_batch * parallel.dp
+    if t.global_batch % per:
+        raise ConfigError(f"--global-batch {t.global_batch} is not a multiple of --micro-batch x dp = "
+                          f"{t.micro_batch} x {parallel.dp} = {per}: pick a multiple of {per}, or another "
+                          f"--micro-batch")
+    if t.grad_accum not in (1, t.global_batch // per):
+        raise ConfigError(f"--global-batch {t.global_batch} and --grad-accum {t.grad_accum} disagree (micro-batch "
+                          f"{t.micro_batch} x dp {parallel.dp} x {t.grad_accum} = {per * t.grad_accum}): give one "
+                          f"of them")
+    return replace(cfg, train=replace(t, grad_accum=t.global_batch // per))
+
+
+# Names the ecosystem gives our values (DeepSpeed, Megatron, torchtitan, papers): a refused value
+# that is one of them is answered with ours.
+SYNONYMS = {
+    "dtype": {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32",
+              "fp8": "bf16 with --fp8"},
+    "pp_schedule": {"gpipe": "afab", "all-forward-all-backward": "afab", "interleaved-1f1b": "interleaved",
+                    "interleaved1f1b": "interleaved", "zb": "zero-bubble", "zbh1": "zero-bubble",
+                    "zb-h1": "zero-bubble", "zero_bubble": "zero-bubble", "zerobubble": "zero-bubble",
+                    "1F1B": "1f1b", "one-f-one-b": "1f1b", "dualpipe-v": "dualpipev"},
+    "cp_attention": {"ring-attention": "ring", "ring_attention": "ring", "zig-zag": "zigzag",
+                     "all-gather": "allgather", "all_gather": "allgather", "deepspeed-ulysses": "ulysses"},
+    "recompute": {"sac": "selective", "selective-ac": "selective", "off": "none", "no": "none",
+                  "all": "full", "activation-checkpointing": "full"},
+    "dispatch": {"all-to-all": "alltoall", "all_to_all": "alltoall", "a2a": "alltoall", "all-gather": "allgather"},
+}
+
+
+def synonym(field_name: str, value) -> str:
+    """' (that is X here)' when `value` is another name for one of ours, else ''."""
+    ours = SYNONYMS.get(field_name, {}).get(value) or SYNONYMS.get(field_name, {}).get(str(value).lower())
+    return f": that is {ours} here" if ours else ""
+
+
+def _world_of(n: int, verb: str = "") -> str:
+    """How to ask for a world of n processes: --nproc here, the launcher's settings under torchrun."""
+    import os
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun: the world is --nnodes x --nproc-per-node
+        return f"start torchrun with a world size of {n} (--nnodes x --nproc-per-node)"
+    return f"{verb}--nproc {n}"
 
 
 def _asked(p: ParallelConfig) -> ParallelConfig | None:
@@ -359,7 +438,8 @@ def check_start(resume: str, init_from: str) -> None:
 def check_pipeline(cfg: RunConfig, parallel: ParallelConfig) -> None:
     pp, v, m = parallel.pp, parallel.pp_chunks, cfg.train.grad_accum
     if parallel.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {parallel.pp_schedule!r}")
+        raise ConfigError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {parallel.pp_schedule!r}"
+                          + synonym("pp_schedule", parallel.pp_schedule))
     if v < 1:
         raise ConfigError(f"--pp-chunks must be positive, got {v}")
     if parallel.pp_schedule == "dualpipev" and v != 2:

@@ -153,13 +153,14 @@ class _Printer:
 
 def cmd_generate(args) -> int:
     from ultrascale.errors import ConfigError
-    from ultrascale.train.resume import read_meta
+    from ultrascale.train.resume import latest, read_meta
 
     check_args(args)
     path = args.checkpoint.rstrip("/") or "/"
     if not os.path.isdir(path) and not os.path.isdir(path + ".old"):  # (.old: a save stopped between renames)
         raise ConfigError(f"checkpoint {args.checkpoint}: no such checkpoint directory: give a directory written by "
                           f"`ultrascale train --save DIR`")
+    args.checkpoint = latest(path)  # a directory of per-step saves (--keep-last): the latest
     meta = read_meta(args.checkpoint, what="checkpoint")  # meta.json alone: the shape and the run's tokenizer
     import torch
 

@@ -61,10 +61,19 @@ LAYOUT_FLAGS = [  # (flag, Layout field, type, help); None default: searched (pl
 ]
 
 
+# `ultrascale train`'s names for the same things, taken here too (and train takes these): one vocabulary.
+TRAIN_NAMES = {"--expert-ffn-hidden": "--moe-ffn-hidden", "--precision": "--dtype", "--float8": "--fp8",
+               "--schedule": "--pp-schedule", "--chunks": "--pp-chunks", "--gpus": "--nproc"}
+
+
+def _names(flag: str) -> tuple[str, ...]:
+    return (flag, TRAIN_NAMES[flag]) if flag in TRAIN_NAMES else (flag,)
+
+
 def _common(p, search: bool) -> None:
     p.add_argument("--model", help="model preset (llama3-8b, llama3-70b, 1b, 8b, mixtral-8x7b, ...)")
     for flag, dest, typ, help_ in MODEL_FLAGS:
-        p.add_argument(flag, dest=f"shape_{dest}", type=typ, default=None, metavar="N", help=help_)
+        p.add_argument(*_names(flag), dest=f"shape_{dest}", type=typ, default=None, metavar="N", help=help_)
     p.add_argument("--tie-embeddings", dest="shape_tie_embeddings", action="store_const", const=True, default=None,
                    help="share the embedding and output matrices")
     p.add_argument("--gpu", default=None, help="GPU: h100-80gb (default), h200, a100-80gb, a100-40gb: vendor-built "
@@ -73,7 +82,7 @@ def _common(p, search: bool) -> None:
                                                    "cluster, its per-node-pair cost), grand-teton, llama3, jean-zay, "
                                                    "or a GPU's generic nodes (default: those of --gpu)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
-    p.add_argument("--precision", default="bf16", help="fp32, bf16 (default), bf16-fp32-grads, bf16-fp32-accum")
+    p.add_argument(*_names("--precision"), dest="precision", default="bf16", help="fp32, bf16 (default), bf16-fp32-grads, bf16-fp32-accum")
     p.add_argument("--framework", default=None, help="megatron (default), torchtitan, playbook (nanotron, "
                                                      "calibrated on the playbook's runs) or ultrascale (our "
                                                      "engine): a bundle of the switches below")
@@ -85,7 +94,7 @@ def _common(p, search: bool) -> None:
                    help="dropout after attention and MLP (1-byte masks kept for backward)")
     p.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=None,
                    help="a fused SwiGLU keeps 3 f-wide tensors per token, not 4")
-    p.add_argument("--float8", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument(*_names("--float8"), dest="float8", action=argparse.BooleanOptionalAction, default=None,
                    help="the blocks' linears in float8 at the GPU's FP8 peak (torchtitan's default)")
     p.add_argument("--block", choices=("llama", "gpt"), default=None,
                    help="gpt: LayerNorm, a 4h GELU MLP and biases in place of the preset's block")
@@ -93,18 +102,22 @@ def _common(p, search: bool) -> None:
                    help="how blocks are cut into pipeline stages: even (the engine's and Megatron's, default) or "
                         "compute (nanotron's cost split, what `plan validate` replays for the playbook's runs)")
     p.add_argument("--no-sp", dest="sp", action="store_false", help="tensor parallelism without sequence parallelism")
+    p.add_argument("--sp", dest="sp", action="store_true", help="tensor parallelism with sequence parallelism (the "
+                                                                "default)")
     p.add_argument("--json", action="store_true", help="print JSON with every field")
     for flag, dest, typ, help_ in LAYOUT_FLAGS:
-        p.add_argument(flag, dest=dest, type=typ, default=None, metavar="N" if typ is int else "NAME",
+        p.add_argument(*_names(flag), dest=dest, type=typ, default=None, metavar="N" if typ is int else "NAME",
                        help=help_ + (" (default: searched)" if search and dest != "cp_attention" else ""))
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="find the best configuration; memory of one; validation against measurements")
     _common(p, search=True)
-    p.add_argument("--gpus", type=int, help="number of GPUs")
-    p.add_argument("--global-batch-tokens", type=int, default=1048576,
+    p.add_argument(*_names("--gpus"), dest="gpus", type=int, help="number of GPUs")
+    p.add_argument("--global-batch-tokens", type=int, default=None,
                    help="tokens per optimizer step (default 1,048,576)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step, as `train` takes it (x --seq-len tokens)")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--emit-config", metavar="PATH", help="write the best layout as a TOML file for "
                                                          "`ultrascale train --config PATH`")
@@ -199,6 +212,14 @@ def cmd_search(args) -> int:
         raise ConfigError("--gpus is required (or use `ultrascale plan memory` for one configuration)")
     if args.top <= 0:
         raise ConfigError(f"--top must be a positive integer, got {args.top}")
+    if args.global_batch is not None and args.global_batch_tokens is not None:
+        raise ConfigError("--global-batch (sequences) and --global-batch-tokens say the same thing: give one")
+    if args.global_batch is not None:
+        if args.global_batch <= 0:
+            raise ConfigError(f"--global-batch must be a positive number of sequences, got {args.global_batch}")
+        args.global_batch_tokens = args.global_batch * args.seq_len
+    elif args.global_batch_tokens is None:
+        args.global_batch_tokens = 1048576
     fixed = {dest: getattr(args, dest) for _, dest, _, _ in LAYOUT_FLAGS if getattr(args, dest) is not None}
     if not args.sp:
         fixed["sp"] = False

@@ -337,6 +337,9 @@ def load(path: str, trainer) -> int:
 def read_full_state(path: str) -> tuple[dict, dict]:
     """(the run's configuration, {single-device name: full fp32 tensor}) of a checkpoint, in
     this one process (for export): DCP assembles each tensor from the chunks of all ranks."""
+    from ultrascale.train.resume import latest
+
+    path = latest(path)  # a directory of per-step saves (--keep-last): the latest
     meta = integrity.verify(path, what="checkpoint")  # every byte, before DCP reads any
     index = _read_index(path, "checkpoint")
     full = {fqn[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)

@@ -1,4 +1,5 @@
-"""AdamW with the usual decay groups, and the warmup + cosine learning-rate schedule."""
+"""AdamW with the usual decay groups, and the learning-rate schedules: warmup, then cosine, linear,
+warmup-stable-decay or constant."""
 
 from __future__ import annotations
 
@@ -32,13 +33,27 @@ def build_adamw(main: list[torch.Tensor], decay: list[bool], cfg: TrainConfig, o
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to min_lr_ratio * lr."""
+    """Learning rate of optimizer step `step` (0-based): linear warmup to lr, then the schedule down to
+    min_lr_ratio x lr at lr_decay_steps (0: the run's steps), and there after it.
+
+    cosine: half a cosine over the steps after warmup (Llama, Megatron's default);
+    linear: a straight line down (Megatron's linear, torchtitan's default decay);
+    wsd: warmup-stable-decay (MiniCPM, DeepSeek, SmolLM2): lr until the last lr_decay_fraction of the
+         steps after warmup, then a straight line down (a run can be extended from its stable phase);
+    constant: lr after warmup."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.lr_decay_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
     floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(1, (cfg.lr_decay_steps or cfg.steps) - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.lr_schedule == "cosine":
+        return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if cfg.lr_schedule == "wsd":
+        stable = 1.0 - cfg.lr_decay_fraction
+        progress = max(0.0, progress - stable) / cfg.lr_decay_fraction
+    return floor + (cfg.lr - floor) * (1.0 - progress)
 
 
 @torch.no_grad()

@@ -75,10 +75,11 @@ def _init_worker(spec: str) -> None:
 def _write(path: str, array) -> str:
     """Write through a temporary name (a killed worker leaves no half shard under the real one)."""
     tmp = path + ".tmp"
+    data = memoryview(array).cast("B")  # the array's own bytes: no copy to write or to hash
     with open(tmp, "wb") as f:
-        f.write(array.tobytes())
+        f.write(data)
     os.replace(tmp, path)
-    return hashlib.sha256(array.tobytes()).hexdigest()
+    return hashlib.sha256(data).hexdigest()
 
 
 def _prepare_piece(args) -> dict:

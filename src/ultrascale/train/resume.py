@@ -28,11 +28,11 @@ FORMAT = 3  # of the checkpoint directory (train/checkpoint.py); 3: meta.json li
 READABLE = (2, 3)  # 2 is 3 without the file list: its tensors load the same, unverified
 # TrainConfig fields that change what the continuation computes.
 SAME_TRAIN = ("seq_len", "seed", "data", "data_column", "data_split", "tokenizer", "val_fraction", "dtype", "lr", "min_lr_ratio",
-              "warmup_steps", "lr_decay_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "fp8",
+              "warmup_steps", "lr_schedule", "lr_decay_steps", "lr_decay_fraction", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "fp8",
               "loss_scale_window")
 # Of those, the learning-rate schedule: --override-schedule takes this run's (lr_at is a function
 # of the step and these alone, so the continuation simply follows the new curve from the saved step).
-SCHEDULE = ("lr", "min_lr_ratio", "warmup_steps", "lr_decay_steps")
+SCHEDULE = ("lr", "min_lr_ratio", "warmup_steps", "lr_schedule", "lr_decay_steps", "lr_decay_fraction")
 GRID = ("dp", "tp", "pp", "cp", "ep")
 
 
@@ -123,8 +123,13 @@ def check_save_target(cfg) -> None:
     if not t.save or t.overwrite:
         return
     path = t.save.rstrip("/")
-    if t.resume and os.path.realpath(t.resume.rstrip("/")) == os.path.realpath(path):
+    if t.resume and os.path.realpath(t.resume.rstrip("/")) in (
+            os.path.realpath(path), os.path.realpath(latest(path))):
         return
+    if t.keep_last and step_dirs(path):
+        path = latest(path)  # a directory of per-step checkpoints: the run they belong to is the latest's
+    elif t.keep_last and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "meta.json")):
+        return  # the per-step checkpoints go into subdirectories: other files beside them are left alone
     put_back_old(path)
     meta_file = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_file):
@@ -158,6 +163,30 @@ def _same(key: str, value):
             and value != "bytes":
         return os.path.normpath(os.path.abspath(value))
     return value
+
+
+STEP_DIR = "step-{:06d}"  # --keep-last: each save in its own directory under --save
+
+
+def step_dirs(path: str) -> list[tuple[int, str]]:
+    """(step, directory) of the finished per-step checkpoints under `path` (--keep-last), oldest first."""
+    if not os.path.isdir(path):
+        return []
+    found = []
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if name.startswith("step-") and name[5:].isdigit() and os.path.isfile(os.path.join(full, "meta.json")):
+            found.append((int(name[5:]), full))
+    return sorted(found)
+
+
+def latest(path: str) -> str:
+    """The checkpoint `path` names: itself, or, for a directory of per-step checkpoints (--keep-last),
+    the one of the latest step (torchtitan's `checkpoint/step-N`, read the same way)."""
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    steps = step_dirs(path)
+    return steps[-1][1] if steps else path
 
 
 def read_meta(path: str, what: str = "--resume") -> dict:
