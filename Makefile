@@ -17,7 +17,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e ".[dev,hf,plot,series,tensorboard,youtube,fp8]"
+	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e ".[dev,hf,plot,series,tensorboard,wandb,youtube,fp8]"
 	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
 		> /dev/null || true
 	rm -f $(VENV)/.installed-*

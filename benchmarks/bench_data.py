@@ -1,10 +1,11 @@
 """Prepared corpora, the loader and `prepare`: memory and start-up against the corpus size, the
 loader against the trainer, and `prepare` against a plain loop.
 
-A prepared corpus (`ultrascale data prepare`) is read through memory-mapped shards, and each
+A prepared corpus (`ultrascale data prepare`) is read window by window from its shards (one
+os.pread per window, each file advised POSIX_FADV_RANDOM: nothing mapped, no read-ahead), and each
 step's windows come from a keyed permutation evaluated for that step only (train/data.py), so
-neither memory nor start-up should grow with the corpus. Three measurements check that, and
-that reading the data costs the trainer nothing:
+neither memory, nor start-up, nor what is read from storage should grow with the corpus. Three
+measurements check that, and that reading the data costs the trainer nothing:
 
 1. Flat memory and start-up. Two corpora of the same text (Python's standard library sources,
    repeated in a seeded shuffled order, in files of about 1 MiB, each file one document) are
@@ -14,11 +15,16 @@ that reading the data costs the trainer nothing:
    `micro_batches` (start-up), then draws `--steps` more steps (seq 1024, global batch 64, micro-batch 8)
    and reports the assembly rate in tokens/s and its resident memory: the peak (ru_maxrss) and the
    current RSS over the baseline, split into anonymous memory (what the process allocated) and
-   file-backed pages (the shards' pages mapped into it: page cache, shared and reclaimable). Each
+   file-backed pages (files' pages mapped into it: page cache, shared and reclaimable). Each
    reading runs twice: first with the shards' pages evicted from the page cache
    (posix_fadvise DONTNEED on the shard files only: a cold start, as after a reboot), then again
    with them cached (warm). `prepare`'s own line for the large corpus (tokens, seconds, tokens/s)
-   and the sizes on disk are reported too.
+   and the sizes on disk are reported too; so is what the process read from storage
+   (/proc/self/io read_bytes: page-cache misses, read-ahead included). For comparison, the large
+   corpus is also read two other ways, set up in the measuring process only (`use_reader`, which
+   replaces `Shards.read` there): np.memmap of each shard with the kernel's defaults (how `Shards`
+   read before: a page fault reads around the faulting page, and the pages read stay mapped into
+   the process), and the same maps advised MADV_RANDOM.
 2. The loader against the trainer, on the 10M corpus: batch assembly in tokens/s for the shape
    `ultrascale train --seq-len 256 --micro-batch 8` trains in one process (global batch 8), read
    as one rank and as 8 ranks (every rank's call, one row each, as the ranks would make them),
@@ -140,7 +146,7 @@ def memory_now() -> dict:
     with open("/proc/self/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+            if key in ("VmRSS", "RssAnon", "RssFile"):
                 status[key] = int(value.split()[0]) / 1024
     return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss": status["VmRSS"],
             "anon": status["RssAnon"], "file": status["RssFile"],
@@ -148,49 +154,42 @@ def memory_now() -> dict:
 
 
 def use_reader(reader: str) -> None:
-    """Other ways to read the shards than train/data.py's `Shards` (np.memmap, the kernel's defaults), for
-    comparison: `madvise`: the same maps advised MADV_RANDOM (no read-around on a page fault);
-    `pread`: os.pread of each window into the batch (the file's pages stay in the page cache, out of
-    this process's RSS), each file advised POSIX_FADV_RANDOM (no read-ahead)."""
+    """Read the shards another way than train/data.py's `Shards` (os.pread of each window from a file
+    advised POSIX_FADV_RANDOM: no read-ahead, nothing mapped), for comparison; `Shards.read` replaced in
+    this process only. `mmap`: np.memmap of each shard with the kernel's defaults, what `Shards` did
+    before (a page fault reads around the faulting page, and the pages read are mapped into the process);
+    `madvise`: the same maps advised MADV_RANDOM (no read-around). The maps go in the stream's `maps`."""
+    if reader == "pread":
+        return
+    if reader not in ("mmap", "madvise"):
+        raise ValueError(f"unknown reader {reader!r}")
     import mmap
 
     import numpy as np
 
     from ultrascale.train.data import Shards
 
-    if reader == "madvise":
-        plain_map = Shards._map
+    def map_of(self, i):
+        maps = self.__dict__.setdefault("maps", {})
+        if i not in maps:
+            maps[i] = np.memmap(self.files[i], dtype=self.dtype, mode="r")
+            if reader == "madvise":
+                maps[i]._mmap.madvise(mmap.MADV_RANDOM)
+        return maps[i]
 
-        def advised_map(self, i):
-            fresh = i not in self.maps
-            m = plain_map(self, i)
-            if fresh:
-                m._mmap.madvise(mmap.MADV_RANDOM)
-            return m
+    def read(self, starts, length):  # Shards.read with a slice of the map in place of a pread
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for row, s in enumerate(np.asarray(starts, dtype=np.int64)):
+            pos, filled = int(s), 0
+            while filled < length:
+                i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
+                local = pos - int(self.offsets[i])
+                take = min(length - filled, int(self.offsets[i + 1]) - pos)
+                out[row, filled:filled + take] = map_of(self, i)[local:local + take]
+                filled, pos = filled + take, pos + take
+        return out
 
-        Shards._map = advised_map
-    elif reader == "pread":
-        def fd_of(self, i):
-            fds = self.__dict__.setdefault("fds", {})
-            if i not in fds:
-                fds[i] = os.open(self.files[i], os.O_RDONLY)
-                os.posix_fadvise(fds[i], 0, 0, os.POSIX_FADV_RANDOM)
-                self.maps[i] = None  # counted as opened
-            return fds[i]
-
-        def pread(self, starts, length):
-            out, size = np.empty((len(starts), length), dtype=np.int64), self.dtype.itemsize
-            for row, s in enumerate(np.asarray(starts, dtype=np.int64)):
-                pos, filled = int(s), 0
-                while filled < length:
-                    i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
-                    take = min(length - filled, int(self.offsets[i + 1]) - pos)
-                    raw = os.pread(fd_of(self, i), take * size, (pos - int(self.offsets[i])) * size)
-                    out[row, filled:filled + take] = np.frombuffer(raw, dtype=self.dtype)
-                    filled, pos = filled + take, pos + take
-            return out
-
-        Shards.read = pread
+    Shards.read = read
 
 
 def child(spec: dict) -> dict:
@@ -199,11 +198,12 @@ def child(spec: dict) -> dict:
     from ultrascale.config import TrainConfig
     from ultrascale.train.data import run_batches
 
-    use_reader(spec.get("reader", "mmap"))
+    reader = spec.get("reader", "pread")
+    use_reader(reader)
     imports_s = time.perf_counter() - t0
     base = memory_now()
     rank, dp = spec["rank"], spec["dp"]
-    grad_accum = GLOBAL_BATCH // dp // MICRO_BATCH if GLOBAL_BATCH // dp >= MICRO_BATCH else 1
+    grad_accum = max(1, GLOBAL_BATCH // dp // MICRO_BATCH)
     t = TrainConfig(data=spec["data"], seq_len=SEQ, seed=0)
     start = time.perf_counter()
     train, _, _ = run_batches(t, GLOBAL_BATCH)
@@ -216,13 +216,15 @@ def child(spec: dict) -> dict:
     elapsed = time.perf_counter() - start
     tokens = spec["steps"] * GLOBAL_BATCH // dp * SEQ
     after = memory_now()
+    stream = train.sources[0].stream
     return {"imports_s": imports_s, "open_s": opened_s, "startup_s": startup_s, "steps": spec["steps"],
             "tokens": tokens, "tokens_per_s": tokens / elapsed, "baseline": base, "after": after,
             "rss_over_baseline": after["rss"] - base["rss"], "anon_over_baseline": after["anon"] - base["anon"],
             "file_over_baseline": after["file"] - base["file"],
             "storage_read": after["storage_read"] - base["storage_read"],
             "peak_over_baseline": after["peak"] - base["rss"],
-            "shards_mapped": len(train.sources[0].stream.maps), "shards": len(train.sources[0].stream.files)}
+            "reader": reader, "shards_opened": len(getattr(stream, "maps", {}) if reader != "pread" else stream.fds),
+            "shards": len(stream.files)}
 
 
 def in_fresh_process(spec: dict) -> dict:
@@ -244,10 +246,36 @@ def measure_flat(corpora: dict, steps: int, caches: tuple) -> dict:
     return out
 
 
+def print_flat(flat: dict, names: list[str]) -> None:
+    a, b = names
+    rows = [("start-up: run_batches + first micro_batches, ms", lambda r: 1e3 * r["startup_s"], "{:,.1f}"),
+            ("  of which run_batches (index, shards, permutation), ms", lambda r: 1e3 * r["open_s"], "{:,.1f}"),
+            ("assembly, tokens/s", lambda r: r["tokens_per_s"], "{:,.0f}"),
+            ("peak RSS (ru_maxrss), MiB", lambda r: r["after"]["peak"], "{:,.0f}"),
+            ("RSS over the baseline, MiB", lambda r: r["rss_over_baseline"], "{:,.1f}"),
+            ("  anonymous, MiB", lambda r: r["anon_over_baseline"], "{:,.1f}"),
+            ("  file-backed (mapped pages), MiB", lambda r: r["file_over_baseline"], "{:,.1f}"),
+            ("read from storage (cache misses, read-ahead included), MiB", lambda r: r["storage_read"], "{:,.1f}"),
+            ("shards opened / in the split", lambda r: f"{r['shards_opened']} / {r['shards']}", "{}")]
+    for cache in flat:
+        for label, _, _ in READINGS:
+            res = flat[cache][label]
+            print(f"\n{label}, {cache} page cache: {res[a]['steps']} steps after the first, seq {SEQ}, global batch "
+                  f"{GLOBAL_BATCH}; baseline RSS after imports {res[a]['baseline']['rss']:,.0f} / "
+                  f"{res[b]['baseline']['rss']:,.0f} MiB, its peak so far (the imports') "
+                  f"{res[a]['baseline']['peak']:,.0f} / {res[b]['baseline']['peak']:,.0f} MiB")
+            print(f"| measurement | {a} | {b} | {b} / {a} |")
+            print("|---|---:|---:|---:|")
+            for text, get, fmt in rows:
+                x, y = get(res[a]), get(res[b])
+                ratio = f"{y / x:.2f}" if isinstance(x, float) and x > 0 else "-"
+                print(f"| {text} | {fmt.format(x)} | {fmt.format(y)} | {ratio} |")
+
+
 def measure_readers(path: str, steps: int, caches: tuple) -> dict:
-    """{reader: {reading: {cache: child's figures}}} on one corpus, for the readers other than np.memmap's."""
+    """{reader: {reading: {cache: child's figures}}} on one corpus, for the readers other than train/data.py's."""
     out = {}
-    for reader in ("madvise", "pread"):
+    for reader in ("mmap", "madvise"):
         out[reader] = {}
         for label, rank, dp in READINGS:
             out[reader][label] = {}
@@ -259,12 +287,13 @@ def measure_readers(path: str, steps: int, caches: tuple) -> dict:
     return out
 
 
-READERS = {"mmap": "np.memmap (train/data.py as it is)", "madvise": "np.memmap + madvise(MADV_RANDOM)",
-           "pread": "os.pread + POSIX_FADV_RANDOM"}
+READERS = {"pread": "os.pread + POSIX_FADV_RANDOM (train/data.py)",
+           "mmap": "np.memmap, the kernel's defaults (train/data.py before)",
+           "madvise": "np.memmap + madvise(MADV_RANDOM)"}
 
 
 def print_readers(flat: dict, readers: dict, name: str) -> None:
-    every = {"mmap": {label: {c: flat[c][label][name] for c in flat} for label, _, _ in READINGS},
+    every = {"pread": {label: {c: flat[c][label][name] for c in flat} for label, _, _ in READINGS},
              **readers}
     print(f"\nthe {name} corpus read three ways, the same steps as above")
     print("| reader | reading | page cache | start-up, ms | tokens/s | RSS over baseline, MiB: anonymous | "
@@ -276,31 +305,6 @@ def print_readers(flat: dict, readers: dict, name: str) -> None:
                 print(f"| {READERS[reader]} | {label} | {cache} | {1e3 * r['startup_s']:,.1f} | "
                       f"{r['tokens_per_s']:,.0f} | {r['anon_over_baseline']:,.1f} | {r['file_over_baseline']:,.1f} | "
                       f"{r['after']['peak']:,.0f} | {r['storage_read']:,.1f} |")
-
-
-def print_flat(flat: dict, names: list[str]) -> None:
-    a, b = names
-    rows = [("start-up: run_batches + first micro_batches, ms", lambda r: 1e3 * r["startup_s"], "{:,.1f}"),
-            ("  of which run_batches (index, shards, permutation), ms", lambda r: 1e3 * r["open_s"], "{:,.1f}"),
-            ("assembly, tokens/s", lambda r: r["tokens_per_s"], "{:,.0f}"),
-            ("peak RSS (ru_maxrss), MiB", lambda r: r["after"]["peak"], "{:,.0f}"),
-            ("RSS over the baseline, MiB", lambda r: r["rss_over_baseline"], "{:,.1f}"),
-            ("  anonymous, MiB", lambda r: r["anon_over_baseline"], "{:,.1f}"),
-            ("  file-backed (mapped shard pages), MiB", lambda r: r["file_over_baseline"], "{:,.1f}"),
-            ("read from storage (cache misses, read-ahead included), MiB", lambda r: r["storage_read"], "{:,.1f}"),
-            ("shards mapped / in the split", lambda r: f"{r['shards_mapped']} / {r['shards']}", "{}")]
-    for cache in flat:
-        for label, _, _ in READINGS:
-            res = flat[cache][label]
-            print(f"\n{label}, {cache} page cache: {res[a]['steps']} steps after the first, seq {SEQ}, global batch "
-                  f"{GLOBAL_BATCH}; baseline RSS after imports {res[a]['baseline']['rss']:,.0f} / "
-                  f"{res[b]['baseline']['rss']:,.0f} MiB")
-            print(f"| measurement | {a} | {b} | {b} / {a} |")
-            print("|---|---:|---:|---:|")
-            for text, get, fmt in rows:
-                x, y = get(res[a]), get(res[b])
-                ratio = f"{y / x:.2f}" if isinstance(x, float) and x > 0 else "-"
-                print(f"| {text} | {fmt.format(x)} | {fmt.format(y)} | {ratio} |")
 
 
 # -- 2: the loader against the trainer -----------------------------------------------------------
@@ -395,8 +399,12 @@ def print_prepare_vs_loop(runs: dict, text: dict) -> None:
         tps = statistics.median(r["tokens_per_s"] for r in rs)
         sec = statistics.median(r["seconds"] for r in rs)
         wall = f"{statistics.median(r['wall_s'] for r in rs):.1f}" if "wall_s" in rs[0] else "-"
-        procs = f" ({rs[0]['processes']} processes)" if "processes" in rs[0] else ""
+        procs = f" ({rs[0]['processes']} processes)" if "default" in name else ""
         print(f"| {name}{procs} | {rs[0]['tokens']:,} | {sec:.2f} | {tps:,.0f} | {tps / plain:.2f}x | {wall} |")
+
+
+def size_name(tokens: float) -> str:
+    return f"{tokens / 1e9:.2f}B" if tokens >= 1e9 else f"{tokens / 1e6:,.0f}M"
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -404,8 +412,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 10M and 50M tokens, cold page cache only, 20 MB for prepare")
-    ap.add_argument("--small-tokens", type=float, default=1e7)
-    ap.add_argument("--large-tokens", type=float, default=1.05e9)
+    ap.add_argument("--small-tokens", type=float, default=1e7, help="the small corpus (text bytes ~ tokens)")
+    ap.add_argument("--large-tokens", type=float, default=1.05e9, help="the large corpus")
     ap.add_argument("--vs-bytes", type=float, default=1e8, help="text for prepare against the plain loop")
     ap.add_argument("--steps", type=int, default=200, help="steps drawn after the first, measurement 1")
     ap.add_argument("--train-steps", type=int, default=20, help="trainer steps, measurement 2")
@@ -433,8 +441,7 @@ def main() -> None:
     scratch = tempfile.mkdtemp(prefix="bench_data-", dir=args.workdir)
     result = {"command": command_line(), "machine": machine, "scratch": scratch}
     try:
-        names = [f"{args.small_tokens / 1e6:,.0f}M", (f"{args.large_tokens / 1e9:.2f}B" if args.large_tokens >= 1e9
-                                                      else f"{args.large_tokens / 1e6:,.0f}M")]
+        names = [size_name(args.small_tokens), size_name(args.large_tokens)]
         corpora, made = {}, {}
         for name, size in zip(names, (args.small_tokens, args.large_tokens)):
             text_dir, out = os.path.join(scratch, f"text-{name}"), os.path.join(scratch, f"prepared-{name}")
@@ -451,7 +458,7 @@ def main() -> None:
                 shutil.rmtree(text_dir)  # the large text is not read again
         result["corpora"] = made
 
-        print(f"\n1. Memory and start-up against the corpus size, a fresh process each "
+        print(f"\n1. Memory and start-up against the corpus size, a fresh process each, train/data.py's reader "
               f"({time.perf_counter() - began:.0f} s in)", flush=True)
         caches = ("cold",) if args.quick else ("cold", "warm")
         result["flat"] = measure_flat(corpora, args.steps, caches)

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import ultrascale.cli as cli
 import ultrascale.distributed.launch as launch
+from ultrascale.errors import positive_number
 from ultrascale.config import ModelConfig, ParallelConfig, TrainConfig
 
 EXAMPLES = int(os.environ.get("ULTRASCALE_BAD_INPUT_EXAMPLES", "150"))
@@ -67,7 +68,7 @@ def _wrong_value(action, where):
     flag = action.option_strings[0]
     if action.type is int:
         return BAD_INT
-    if action.type is float:
+    if action.type in (float, positive_number):
         return BAD_FLOAT
     if flag in INPUTS:
         return st.sampled_from(["missing", "missing/deeper", "hf:missing"]).map(lambda p: _under(where, p))
@@ -244,7 +245,7 @@ def _command_actions():
             p = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
         out += [(path, a) for a in p._actions if a.option_strings and a.nargs != 0 and a.const is None
                 and not isinstance(a, argparse._HelpAction)
-                and (a.type in (int, float) or a.choices or a.option_strings[0] in NAMES)]
+                and (a.type in (int, float, positive_number) or a.choices or a.option_strings[0] in NAMES)]
     return out
 
 
@@ -276,7 +277,7 @@ def test_wrong_values_of_the_other_commands_are_one_line_before_any_work(data, w
     flag = action.option_strings[0]
     if action.type is int:
         value = data.draw(BAD_INT, label=flag)
-    elif action.type is float:
+    elif action.type in (float, positive_number):
         value = data.draw(BAD_FLOAT, label=flag)
     else:
         value = data.draw(NOT_A_CHOICE, label=flag)

@@ -72,18 +72,19 @@ def test_memory_by_owner_matches_the_precision_recipe(dtype, per_param):
 
 
 def test_resume_continues_with_the_same_losses(tmp_path):
-    straight = run(steps=8)
-    first = run(steps=4, save=str(tmp_path / "ck"))
-    second = run(steps=8, resume=str(tmp_path / "ck"))
+    # One schedule for all three (the decay would otherwise follow each run's own --steps).
+    straight = run(steps=8, lr_decay_steps=8)
+    first = run(steps=4, save=str(tmp_path / "ck"), lr_decay_steps=8)
+    second = run(steps=8, resume=str(tmp_path / "ck"), lr_decay_steps=8)
     assert first.losses + second.losses == straight.losses
     for name, p in straight.state.items():
         assert torch.equal(p, second.state[name]), name
 
 
 def test_resume_in_bf16_is_exact(tmp_path):
-    straight = run(steps=4, dtype="bf16")
-    run(steps=2, dtype="bf16", save=str(tmp_path / "ck"))
-    second = run(steps=4, dtype="bf16", resume=str(tmp_path / "ck"))
+    straight = run(steps=4, dtype="bf16", lr_decay_steps=4)
+    run(steps=2, dtype="bf16", save=str(tmp_path / "ck"), lr_decay_steps=4)
+    second = run(steps=4, dtype="bf16", resume=str(tmp_path / "ck"), lr_decay_steps=4)
     assert second.losses == straight.losses[2:]
 
 

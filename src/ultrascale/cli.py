@@ -109,9 +109,12 @@ TRAIN_FLAGS = [
     ("--profile", "train", "profile", str, "write a torch.profiler trace per rank into this directory "
                                            "(read it with `ultrascale trace DIR`)"),
     ("--profile-steps", "train", "profile_steps", str, "the steps to profile, A:B (default 2:3, after warm-up)"),
-    ("--peak", "train", "peak", str, "the ceiling of MFU: auto (measure it at start-up), datasheet, or TFLOP/s "
-                                     "per device (default: datasheet on a known GPU, else auto)"),
+    ("--peak", "train", "peak", str, "the ceiling of MFU: auto (measured once per machine and kept: `ultrascale "
+                                     "peak`), datasheet, or TFLOP/s per device (default: datasheet on a known GPU, "
+                                     "else auto)"),
     ("--tensorboard", "train", "tensorboard", str, "also write the step metrics as TensorBoard events to this directory"),
+    ("--wandb", "train", "wandb", str, "also log the step metrics and the config to this Weights & Biases project "
+                                       "(WANDB_MODE=offline: locally)"),
     ("--device", "train", "device", str, "auto, cpu or cuda"),
     ("--nproc", "train", "nproc", int, "spawn this many local processes (or use torchrun)"),
     ("--timeout", "train", "timeout", float,

@@ -175,6 +175,7 @@ class TrainConfig:
     # Empty: the datasheet on a GPU that has a figure, "auto" otherwise (train/peak.py).
     peak: str = ""
     tensorboard: str = ""  # write TensorBoard event files of the step metrics to this directory
+    wandb: str = ""  # a Weights & Biases project: log the step metrics and the config there (train/loggers.py)
     log_every: int = 1
     device: str = "auto"  # auto | cpu | cuda
     nproc: int = 1
@@ -253,7 +254,8 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
                           + (f" (that is {hint!r} here)" if hint else ""))
     if not 0 < t.lr_decay_fraction <= 1:
         raise ConfigError(f"--lr-decay-fraction must be in (0, 1], got {t.lr_decay_fraction:g}")
-    if not t.lr_decay_steps:  # the schedule follows --steps, and says so in the checkpoint
+    if not t.lr_decay_steps and not t.resume:  # the schedule follows --steps, and says so in the checkpoint
+        # (a resumed run without one takes the checkpoint's: the CLI layers it in, the trainer too)
         t = replace(t, lr_decay_steps=t.steps)
         cfg = replace(cfg, train=t)
     if t.grad_clip < 0:

@@ -14,3 +14,18 @@ class Diverged(ArithmeticError):
     """Training produced a NaN or an infinite gradient norm; the message names the step and what to
     change. Raised before that step's update, so the parameters and every checkpoint are those of
     the last finite step."""
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite positive number. inf and nan are no setting (a timeout of nan would
+    never end, a bucket of inf never fills), so they are refused at parsing, in one line."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
+    return value

@@ -14,6 +14,8 @@ import json
 import math
 import sys
 
+from ultrascale.errors import positive_number
+
 # (flag, ModelShape field, type, help)
 MODEL_FLAGS = [
     ("--vocab-size", "vocab", int, "override the vocabulary size"),
@@ -128,7 +130,7 @@ def add_parser(sub) -> None:
     m = plan_sub.add_parser("memory", help="per-GPU memory (and step time) of one configuration")
     _common(m, search=False)
     m.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the pipeline's m)")
-    m.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket cap in MB (ZeRO padding, buffers)")
+    m.add_argument("--bucket-mb", type=positive_number, default=25.0, help="gradient bucket cap in MB (ZeRO padding, buffers)")
     m.add_argument("--chart", help="draw the breakdown as a stacked bar chart (PNG)")
     m.add_argument("--emit-config", metavar="PATH", help="write this layout as a TOML file for "
                                                          "`ultrascale train --config PATH`")

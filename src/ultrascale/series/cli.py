@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from ultrascale.errors import ConfigError
+from ultrascale.errors import ConfigError, positive_number
 
 
 def add_parser(sub) -> None:
@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
     r = nsub.add_parser("run", help="execute notebooks top to bottom on CPU and prove their exercises")
     r.add_argument("files", nargs="+", metavar="FILE", help="notebooks, or directories of them")
-    r.add_argument("--timeout", type=float, default=300, help="seconds one cell may run (default 300)")
+    r.add_argument("--timeout", type=positive_number, default=300, help="seconds one cell may run (default 300)")
     g = r.add_mutually_exclusive_group()
     g.add_argument("--gpu", dest="gpu", action="store_const", const=True, default=None,
                    help="also run cells tagged needs-gpu (default: only if the kernel sees CUDA)")
@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
 
     gr = nsub.add_parser("grade", help="run a learner's completed notebook and say, per exercise, passed or what is wrong")
     gr.add_argument("files", nargs="+", metavar="FILE", help="notebooks, or directories of them")
-    gr.add_argument("--timeout", type=float, default=300, help="seconds one cell may run (default 300)")
+    gr.add_argument("--timeout", type=positive_number, default=300, help="seconds one cell may run (default 300)")
     gr.add_argument("--json", action="store_true", help="print the grades as JSON")
     gr.set_defaults(func=cmd_grade)
 
@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
     gen.add_argument("--retries", type=int, default=4, help="retries on 429, timeouts and connection errors (default 4)")
     gen.add_argument("--retry-wait", type=float, default=2.0,
                      help="first backoff in seconds, doubled at each retry (default 2)")
-    gen.add_argument("--request-timeout", type=float, default=600, help="seconds one LLM call may take (default 600)")
+    gen.add_argument("--request-timeout", type=positive_number, default=600, help="seconds one LLM call may take (default 600)")
     _save_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -90,7 +90,7 @@ def _save_args(p) -> None:
     p.add_argument("--out", default=".", metavar="DIR", help="where N_topic.ipynb is written (default: .)")
     p.add_argument("--force", action="store_true", help="replace an existing notebook of this episode (only "
                                                         "with one that passes)")
-    p.add_argument("--timeout", type=float, default=300, help="seconds one cell may run when checking (default 300)")
+    p.add_argument("--timeout", type=positive_number, default=300, help="seconds one cell may run when checking (default 300)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="print results only")
 
 

@@ -55,8 +55,12 @@ class Tolerance:
 # applied to the wrong tensors moves parameters by ~wd * |w| = 2e-3 of sum(lr).
 FP32 = Tolerance(loss_rtol=1e-5, grad_rtol=1e-5, norm_rtol=1e-4, param_mean=3e-4)
 # bf16 compute (unit roundoff 3.9e-3) against one process fed the same micro-batches:
-# matmuls split across ranks round their partial sums to bf16 at other points.
-BF16 = Tolerance(loss_rtol=2e-3, grad_rtol=3e-2, norm_rtol=3e-2, param_mean=3e-2)
+# matmuls split across ranks round their partial sums to bf16 at other points. The gradient
+# norm of a later step carries every earlier step's parameter differences: tp 2 + sp over
+# 10 steps reached 3.9e-2 under the default kernel set (5.6e-3 under avx2 and avx512; every
+# other layout of tests/test_equivalence_criterion.py 4.5e-4 at most), hence 6e-2: a gradient
+# averaged over N + 1 ranks is off by 1/(N+1), a missing tp reduction by a factor.
+BF16 = Tolerance(loss_rtol=2e-3, grad_rtol=3e-2, norm_rtol=6e-2, param_mean=3e-2)
 
 
 @dataclass

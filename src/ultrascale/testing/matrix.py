@@ -167,7 +167,8 @@ def config(cell: Cell, workdir: str = "", batch: int = 0) -> RunConfig:
     train = TrainConfig(steps=STEPS, seq_len=SEQ_LEN, micro_batch=1, grad_accum=batch // cell["dp"],
                         lr=3e-3, warmup_steps=1, dtype=cell["dtype"], recompute=cell["recompute"],
                         compile=cell["compile"], seed=SEED, loss_scale_init=FP16_SCALE_PER_SEQUENCE * batch,
-                        progress=False, peak="1", nproc=world(cell), eval_every=STEPS, eval_batches=1)
+                        progress=False, peak="1", nproc=world(cell), eval_every=STEPS, eval_batches=1,
+                        lr_decay_steps=STEPS)
     return RunConfig(model=model, parallel=parallel, train=train)
 
 

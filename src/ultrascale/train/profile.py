@@ -61,6 +61,10 @@ class ProfileWindow:
             return  # a resumed run already past the window
         from torch.profiler import ProfilerActivity, profile, schedule
 
+        # Kineto, under torch.profiler, prints its own markers on stderr at every start and stop
+        # ("USDT: ... profiler_start"), whatever the level below its highest: it reads the level when
+        # the first profiler of the process starts, so this silences it (a level set by the user stays).
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self.start = max(self.first, next_step)  # the first step recorded
         pre = self.start - next_step  # steps to run before it
         warmup = min(pre, 1)  # the profiler's own warm-up step, as its schedule recommends

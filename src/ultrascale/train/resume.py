@@ -96,6 +96,8 @@ def check_resume(path: str, meta: dict, cfg) -> None:
     for k in SAME_TRAIN:
         if cfg.train.override_schedule and k in SCHEDULE:
             continue
+        if k == "lr_decay_steps" and not here["train"][k]:
+            continue  # not given: the checkpoint's (Trainer._resume takes it)
         if k in saved["train"] and here["train"][k] != saved["train"][k]:
             other = (f", or add --override-schedule to continue it with this {_flag(k)}" if k in SCHEDULE
                      else " (or start a new one)")

@@ -2,7 +2,7 @@
 
 `config.validate` judges the settings by their values alone (sizes, ranges, combinations).
 What needs more is checked here, at the start of a run: the files a setting names (a
-checkpoint to resume), the software and hardware it asks for (TensorBoard, the ceiling
+checkpoint to resume), the software and hardware it asks for (TensorBoard, W&B, the ceiling
 MFU divides by), and a technique's own rules (how a pipeline cuts the model into stages).
 The command line and the test harness start runs through `check_run`.
 """
@@ -25,6 +25,10 @@ def check_run(cfg: RunConfig, world_size: int) -> RunConfig:
     check_peak(t.peak, t.device, t.dtype)
     if t.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard needs the tensorboard package: pip install 'ultrascale[tensorboard]'")
+    if t.wandb:
+        from ultrascale.train.loggers import check_wandb
+
+        check_wandb()
     if t.resume and not os.path.isdir(t.resume):
         raise ConfigError(f"--resume {t.resume}: no such checkpoint directory")
     check_stages(cfg)

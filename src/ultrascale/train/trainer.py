@@ -31,10 +31,11 @@ from ultrascale.model.moe import moe_layers, step_loads, update_router_bias
 from ultrascale.spans import BACKWARD, EVAL, FORWARD, OPTIMIZER, STEP, comm, span
 from ultrascale.train import resume
 from ultrascale.train.data import check_eval, is_prepared_spec, load_tokenizer, prepared_tokenizer, run_batches
+from ultrascale.train.header import header_lines, start_lines
 from ultrascale.train.loss_scale import DynamicLossScaler
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_resident_bytes, storage_bytes
 from ultrascale.train.optim import build_adamw, clip_grad_norm_, lr_at
-from ultrascale.train.peak import describe_device, run_peak
+from ultrascale.train.peak import above_peak_warning, describe_device, run_peak
 from ultrascale.train.profile import profile_window
 from ultrascale.train.recompute import apply_recompute
 
@@ -101,7 +102,7 @@ class Trainer:
         self.pipeline = parallel.pipeline_runtime(self.model, ctx, cfg, self.grads, self.loss_fn, self.meter)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         # The ceiling of MFU, per device (--peak; measuring it is collective: every rank is here).
-        self.peak, self.peak_source = run_peak(t.peak, ctx.device, t.dtype, ctx.world_size)
+        self.peak, self.peak_source, self.peak_origin = run_peak(t.peak, ctx.device, t.dtype, ctx.world_size)
         self.step = 0
         self.updates, self.saved_step = 0, None  # this run's optimizer updates and last save: what a divergence says
         # AdamW's updates since the run began, resumes included: its bias correction counts these, not
@@ -113,6 +114,8 @@ class Trainer:
             from ultrascale.train import checkpoint
         if t.save and ctx.rank == 0:
             checkpoint.clean_partial(t.save)  # what a killed run left (the next save would also)
+            for _, old in resume.step_dirs(t.save) if t.keep_last else []:
+                checkpoint.clean_partial(old)
         if t.resume:
             self._resume(t.resume)
         if t.save:
@@ -194,7 +197,9 @@ class Trainer:
         return {
             "step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
             "tokens_per_s": tokens_per_s, "tflops": tflops,
-            "mfu": tflops / self.peak if self.peak else None,
+            # Above 100%, MFU says only that the peak is wrong: left out, and flagged (one warning, _Log).
+            "mfu": tflops / self.peak if self.peak and tflops <= self.peak else None,
+            "mfu_above_peak": bool(self.peak) and tflops > self.peak,
             "peak_tflops": self.peak, "peak_source": self.peak_source,
             "step_time_s": elapsed, "memory": self.memory(),
             **({"moe": moe} if moe is not None else {}),
@@ -323,15 +328,20 @@ class Trainer:
     def fit(self) -> TrainResult:
         t, ctx = self.cfg.train, self.ctx
         result = TrainResult()
-        log = _Log(t, ctx.is_logging_rank, self.step, self.log_to_stdout)
+        log = _Log(t, ctx.is_logging_rank, self.step, self.log_to_stdout, self.cfg)
         # --profile: a torch.profiler trace of the --profile-steps window (nothing at all without it).
         profiler = profile_window(t, ctx.rank, ctx.device, self.step + 1)
+        # What the run is (model, layout, batch, precision, where it writes), then its data and its peak.
+        for line in header_lines(self) + log.destinations():
+            log.say(line)
         log.say(f"data: {self.data_line}")
         if t.eval_every:
             log.say(f"validation: every {t.eval_every} steps, {self.eval_batches()} global batches "
                     f"({self.eval_batches() * self.cfg.global_batch * t.seq_len:,} tokens) of the held-out split")
         log.say(f"peak {self.peak:.4g} TFLOP/s per device ({self.peak_source}, {t.dtype}, "
-                f"{describe_device(ctx.device)}): MFU is measured against it")
+                f"{describe_device(ctx.device)}): MFU is measured against it ({self.peak_origin})")
+        for line in start_lines(self):  # what it loaded, what it will not save, what the first step compiles
+            log.say(line)
         try:
             while self.step < t.steps:
                 failures.note_step(self.step + 1)
@@ -370,30 +380,50 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------
     def save(self, path: str) -> None:
+        """Save to `path`, or with --keep-last to path/step-NNNNNN, keeping the newest N of those."""
         from ultrascale.train import checkpoint
 
-        checkpoint.save(path, self)
+        keep = self.cfg.train.keep_last
+        target = os.path.join(path, resume.STEP_DIR.format(self.step)) if keep else path
+        checkpoint.save(target, self)
         self.saved_step = self.step
+        if keep and self.ctx.rank == 0:  # the save is whole on every rank: older ones may go
+            import shutil
+
+            for _, old in resume.step_dirs(path)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
         if self.log_to_stdout and self.ctx.is_logging_rank:
-            print(f"saved {path} at step {self.step}", flush=True)
+            print(f"saved {target} at step {self.step}", flush=True)
 
     def _resume(self, path: str) -> None:
         """Continue from `path`, whatever layout wrote it (train/checkpoint.py)."""
         from ultrascale.train import checkpoint
 
-        resume.check_resume(path, checkpoint.read_meta(path), self.cfg)
+        meta = checkpoint.read_meta(path)
+        resume.check_resume(path, meta, self.cfg)
+        if not self.cfg.train.lr_decay_steps:  # the schedule the checkpoint was trained with
+            import dataclasses
+
+            saved = meta["config"]["train"].get("lr_decay_steps") or meta["config"]["train"]["steps"]
+            self.cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, lr_decay_steps=saved))
         self.step = checkpoint.load(path, self)
 
 
 class _Log:
-    """Per-step output of the logging rank: a line (or a progress bar) and the JSONL file."""
+    """Per-step output of the logging rank: a line (or a progress bar), the JSONL file, TensorBoard and
+    W&B (train/loggers.py: the same scalars, and the run's configuration once)."""
 
-    def __init__(self, t, active: bool, first_step: int, to_stdout: bool):
+    def __init__(self, t, active: bool, first_step: int, to_stdout: bool, cfg: RunConfig | None = None):
         self.active, self.every, self.jsonl = active, t.log_every, None
         self.to_stdout = to_stdout and active
-        self.bar = self.tb = None
+        self.bar = self.tb = self.wandb = None
+        self.warned_peak = False
         if not active:
             return
+        if t.wandb:  # first: a run W&B refuses (no credentials) ends here, before the logs are opened
+            from ultrascale.train.loggers import WandbRun
+
+            self.wandb = WandbRun(t.wandb, cfg.to_dict() if cfg is not None else {})
         if t.log_jsonl:
             os.makedirs(os.path.dirname(os.path.abspath(t.log_jsonl)), exist_ok=True)
             self.jsonl = open(t.log_jsonl, "a" if t.resume else "w")
@@ -402,6 +432,10 @@ class _Log:
 
             # The logging rank alone (rank 0 unless pipelined: the last stage, which has the loss).
             self.tb = SummaryWriter(log_dir=t.tensorboard)
+            if cfg is not None:
+                from ultrascale.train.loggers import write_hparams
+
+                write_hparams(self.tb, cfg.to_dict(), ["train/loss"] + (["val/loss"] if t.eval_every else []))
         # Under `--nproc` stderr is the launcher's pipe; it says when it ends on a terminal.
         tty = sys.stderr.isatty() or os.environ.get("ULTRASCALE_STDERR_TTY") == "1"
         if self.to_stdout and t.progress and tty:
@@ -419,25 +453,35 @@ class _Log:
             for tag, value in tensorboard_scalars(m).items():
                 self.tb.add_scalar(tag, value, m["step"])
             self.tb.flush()  # as the JSONL: a run that dies keeps its steps so far
+        if self.wandb is not None:
+            self.wandb.log(tensorboard_scalars(m), m["step"])
         if self.to_stdout and (m["step"] % self.every == 0 or m["step"] == 1):
-            line = format_step(m)
-            if self.bar is not None:
-                self.bar.write(line)
-            else:
-                print(line, flush=True)
+            self.say(format_step(m))
+        if m.get("mfu_above_peak") and not self.warned_peak:  # once a run
+            self.warned_peak = True
+            self.say(above_peak_warning(m))
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{m['loss']:.4f}")
 
     def say(self, line: str) -> None:
         if self.to_stdout:
-            print(line, flush=True)
+            if self.bar is not None:
+                self.bar.write(line)
+            else:
+                print(line, flush=True)
+
+    def destinations(self) -> list[str]:
+        """Where the logged steps can be seen besides the files the header names: the W&B run."""
+        return [self.wandb.describe()] if self.wandb is not None else []
 
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
         if self.bar is not None:
             self.bar.close()
 
@@ -445,7 +489,12 @@ class _Log:
 def tensorboard_scalars(m: dict) -> dict[str, float]:
     """The TensorBoard tags of one step's metrics: train/*, memory/* (bytes), moe/*; None left out."""
     out = {f"train/{k}": m[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "step_time_s")}
-    out.update({f"memory/{k}": v for k, v in m["memory"].items()})
+    for k, v in m["memory"].items():
+        if isinstance(v, dict):  # --offload's {to, optim, params, params_to}: the byte counts
+            out.update({f"memory/{k}_{part}": n for part, n in v.items()
+                        if isinstance(n, (int, float)) and not isinstance(n, bool)})
+        else:
+            out[f"memory/{k}"] = v
     out.update({f"moe/{k}": v for k, v in m.get("moe", {}).items()})
     if "val_loss" in m:
         out["val/loss"] = m["val_loss"]
@@ -460,7 +509,8 @@ def _mb(n):
 
 def format_step(m: dict) -> str:
     mem = m["memory"]
-    mfu = "" if m["mfu"] is None else f" | mfu {100 * m['mfu']:.1f}%"
+    mfu = " | mfu >100% (peak too low: --peak)" if m.get("mfu_above_peak") else \
+        "" if m["mfu"] is None else f" | mfu {100 * m['mfu']:.1f}%"
     e = m.get("moe")
     moe = "" if e is None else (
         f" | tokens/expert {e['tokens_per_expert_min']}-{e['tokens_per_expert_max']} cv "
