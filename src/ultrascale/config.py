@@ -171,7 +171,8 @@ class TrainConfig:
     pp_trace: str = ""  # write the last step's pipeline timeline here (JSON)
     profile: str = ""  # a directory: torch.profiler traces of the --profile-steps window, one per rank
     profile_steps: str = "2:3"  # A:B, 1-based and inclusive (train/profile.py)
-    # The ceiling MFU divides by: "auto" (measured at start-up), "datasheet", or TFLOP/s per device.
+    # The ceiling MFU divides by: "auto" (measured once per machine and kept, train/peak.py), "datasheet",
+    # or TFLOP/s per device.
     # Empty: the datasheet on a GPU that has a figure, "auto" otherwise (train/peak.py).
     peak: str = ""
     tensorboard: str = ""  # write TensorBoard event files of the step metrics to this directory
