@@ -360,29 +360,6 @@ def test_info_and_verify(prepared, tmp_path):
     one_line_error(ultrascale("data", "info", str(copy), "--verify"), "checksums")
 
 
-def test_the_readmes_data_tour_runs_as_pasted(tmp_path):
-    """The README's prepare -> train (validation loss) -> generate commands, in a shell as a user pastes
-    them, shortened to a few steps."""
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    block = readme[readme.index("# real data:"):]
-    lines = [line for line in block[:block.index("\n\n")].splitlines() if line and not line.startswith("#")]
-    assert [line.split()[1] for line in lines] == ["data", "train", "generate", "data"]
-    short = {"--steps 200": "--steps 4", "--eval-every 50": "--eval-every 2", "--max-new-tokens 80": "--max-new-tokens 8"}
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    outputs = []
-    for line in lines:
-        for a, b in short.items():
-            line = line.replace(a, b)
-        r = subprocess.run(["bash", "-c", line.split("  #")[0]], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=180)
-        assert r.returncode == 0, (line, r.stderr)
-        outputs.append(r.stdout)
-    assert "wrote email-data" in outputs[0]
-    assert "val loss" in outputs[1] and "saved ck-email at step 4" in outputs[1]
-    assert outputs[2].startswith("def parse(")
-    assert "verified" in outputs[3]
-
-
 def test_a_hugging_face_dataset_directory_prepares_like_it_reads(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
