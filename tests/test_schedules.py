@@ -107,3 +107,13 @@ def test_keep_last_keeps_the_newest_and_resumes_the_latest_or_any(tmp_path):
 def test_keep_last_without_save_is_one_line():
     r = ultrascale("train", "--steps", "1", "--keep-last", "2")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--save" in r.stderr
+
+
+def test_a_killed_per_step_save_is_cleaned_at_the_next_start(tmp_path):
+    """A step-N.tmp that no later save of step N would replace (the run stopped there) goes at the next start."""
+    ck = tmp_path / "ck"
+    (ck / "step-000009.tmp").mkdir(parents=True)
+    (ck / "step-000009.tmp" / "__0_0.distcp").write_bytes(b"half")
+    r = ultrascale(*RUN[:2], "2", *RUN[3:], "--save", str(ck), "--keep-last", "2")
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(ck)) == ["step-000002"]

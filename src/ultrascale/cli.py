@@ -346,13 +346,9 @@ def _verify_once(path: str) -> None:
 
 def _clean_partial_save(cfg) -> None:
     if cfg.train.save:
-        from ultrascale.train.checkpoint import clean_partial
+        from ultrascale.train.checkpoint import clean_partial_saves
 
-        clean_partial(cfg.train.save)
-        if cfg.train.keep_last and os.path.isdir(cfg.train.save):  # a per-step save cut short
-            for name in os.listdir(cfg.train.save):
-                if name.startswith("step-") and name.endswith(".tmp"):
-                    clean_partial(os.path.join(cfg.train.save, name[:-len(".tmp")]))
+        clean_partial_saves(cfg.train.save, bool(cfg.train.keep_last))
 
 
 def _train_here(cfg) -> int:

@@ -417,6 +417,17 @@ def check_shared(path: str, ctx) -> None:
                           f"rank 0 created: checkpoints need a filesystem shared by every node")
 
 
+def clean_partial_saves(save: str, per_step: bool) -> None:
+    """clean_partial of --save, and with --keep-last (per_step) of every DIR/step-N a save left
+    unfinished (its step-N.tmp, or a step-N.old with no step-N). Call it from one process."""
+    clean_partial(save)
+    if per_step and os.path.isdir(save):
+        for name in os.listdir(save):
+            base, _, suffix = name.rpartition(".")
+            if base.startswith("step-") and suffix in ("tmp", "old"):
+                clean_partial(os.path.join(save, base))
+
+
 def clean_partial(path: str) -> None:
     """Remove what an interrupted or failed `save` left: `DIR.tmp`, and put back `DIR.old`.
 

@@ -231,11 +231,6 @@ class TokenBatches:
             self.windows.append((n - 1) // seq_len)
         self.per_step = apportion(global_batch, [s.weight for s in self.sources])
 
-    @property
-    def tokens(self):
-        """The in-memory token tensor of a single source (what tests and peers read)."""
-        return self.sources[0].stream.tokens
-
     def _windows_of(self, d: int, samples: np.ndarray) -> np.ndarray:
         """The window numbers of corpus d's samples (its running count of windows drawn)."""
         n = self.windows[d]

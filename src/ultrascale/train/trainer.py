@@ -113,9 +113,7 @@ class Trainer:
             # import: only the runs that save or resume pay it.
             from ultrascale.train import checkpoint
         if t.save and ctx.rank == 0:
-            checkpoint.clean_partial(t.save)  # what a killed run left (the next save would also)
-            for _, old in resume.step_dirs(t.save) if t.keep_last else []:
-                checkpoint.clean_partial(old)
+            checkpoint.clean_partial_saves(t.save, bool(t.keep_last))  # what a killed run left
         if t.resume:
             self._resume(t.resume)
         if t.save:
