@@ -67,9 +67,13 @@ PYEOF
 }
 
 P=$OUT/parts
+# The tests share the one GPU over GPU_TEST_WORKERS processes (pytest-xdist, where that Python has it):
+# they check numerics, not speed, and the card has room for several tiny runs at once.
+WORKERS=()
+if "$PY" -c "import xdist" 2> /dev/null; then WORKERS=(-n "${GPU_TEST_WORKERS:-4}"); fi
 run_part tests 250 "$PY" -m pytest -v -p no:cacheprovider -o addopts="" -rA --strict-markers -m gpu \
-    --timeout 200 --junitxml "$P/tests.xml" tests/test_gpu.py
+    "${WORKERS[@]}" --timeout 200 --junitxml "$P/tests.xml" tests/test_gpu.py
 run_part bench-gpu 180 "$PY" benchmarks/bench_gpu.py --json "$P/bench-gpu.json"
 run_part bench-hf 90 "$PY" benchmarks/bench_single_vs_hf.py --device cuda --dtype bf16 --model 1b \
-    --seq-len 2048 --micro-batch 4 --warmup 2 --repeats 3 --steps 2 --json "$P/bench-hf.json"
+    --seq-len 2048 --micro-batch 2 --warmup 2 --repeats 3 --steps 2 --json "$P/bench-hf.json"
 "$PY" -m ultrascale.testing.gpu_kit report "$OUT"

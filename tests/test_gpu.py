@@ -261,6 +261,30 @@ def test_compile_on_cuda_equals_eager():
     assert bad.failures(FP32), bad.line()
 
 
+def test_a_dropped_trainer_gives_back_its_cuda_memory():
+    # Found on an H100: a trainer's parameter hooks held it in a cycle through C++, and each dropped
+    # trainer left its weights, masters and gradients allocated (tests/test_trainer.py has the CPU
+    # side of it; parallel/grads.py the weak reference that fixed it).
+    import gc
+
+    from ultrascale.distributed.context import build_context
+    from ultrascale.train.startup import check_run
+    from ultrascale.train.trainer import Trainer
+
+    torch.cuda.set_device(0)
+    gc.collect()
+    before = torch.cuda.memory_allocated(0)
+    for compiled in (False, True):
+        cfg = check_run(config("small", dtype="bf16", compile=compiled), 1)
+        trainer = Trainer(cfg, build_context(cfg.parallel, 0, 1, device=torch.device("cuda", 0)))
+        trainer.train_step()
+        held = torch.cuda.memory_allocated(0) - before
+        del trainer
+        gc.collect()
+        left = torch.cuda.memory_allocated(0) - before
+        assert left <= 2**20, f"compile={compiled}: {left / 2**20:.0f} MiB of {held / 2**20:.0f} MiB still allocated"
+
+
 # -- memory and profiles, through the command --------------------------------------------------
 def _ultrascale(*args, timeout=240):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))

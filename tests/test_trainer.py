@@ -174,3 +174,76 @@ def test_clip_grad_norm_weighs_each_gradient_by_its_share(wrong):
     if not wrong:  # clipped to norm 1 by one common factor
         for x, x0 in zip(grads, before):
             torch.testing.assert_close(x.double(), x0.double() / (want + 1e-6), rtol=1e-6, atol=0)
+
+
+def test_a_dropped_trainer_is_freed_with_its_model_and_states():
+    # A notebook or a benchmark builds several trainers in one process: each must go with its
+    # last reference (a GPU's memory is given back only then; tests/test_gpu.py checks the card).
+    import gc
+    import weakref
+
+    from ultrascale.config import validate
+    from ultrascale.distributed.context import build_context
+    from ultrascale.train.trainer import Trainer
+
+    def build():
+        t = TrainConfig(steps=10, seq_len=32, micro_batch=2, seed=1, progress=False, dtype="bf16")
+        cfg = validate(RunConfig(model=get_preset("tiny"), train=t), 1)
+        trainer = Trainer(cfg, build_context(cfg.parallel, 0, 1))
+        trainer.train_step()
+        return trainer
+
+    trainer = build()
+    alive = [weakref.ref(x) for x in (trainer, trainer.model, next(trainer.model.parameters()))]
+    del trainer
+    gc.collect()
+    assert all(r() is None for r in alive), [r() is not None for r in alive]
+
+    # The check sees a leak: a process-wide forward hook that keeps the model (the kind of
+    # reference that would hold it) leaves the trainer's model alive.
+    trainer = build()
+    model = weakref.ref(trainer.model)
+    kept = trainer.model
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o, kept=kept: None)
+    del trainer, kept
+    gc.collect()
+    try:
+        assert model() is not None
+    finally:
+        handle.remove()
+    gc.collect()
+    assert model() is None
+
+
+def _params_left_after_dropping(cfgs):
+    import gc
+    import weakref
+
+    from ultrascale.testing.harness import worker_context
+    from ultrascale.train.trainer import Trainer
+
+    left = []
+    for cfg in cfgs:
+        trainer = Trainer(cfg, worker_context(cfg.parallel))
+        trainer.train_step()
+        params = [weakref.ref(p) for p in trainer.model.parameters()]
+        del trainer
+        gc.collect()
+        left.append(sum(r() is not None for r in params))
+    return left
+
+
+def test_a_dropped_trainer_is_freed_under_every_layout():
+    # Each layout adds its own hooks (reductions, ZeRO's gathers, offload's copies, the pipeline's
+    # stages): none may keep the model alive. The layouts of two ranks, in one pooled call.
+    from ultrascale.config import ParallelConfig, validate
+    from ultrascale.testing.harness import run_distributed
+
+    layouts = [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3),
+               dict(dp=2, zero=1, offload="cpu"), dict(tp=2, sp=True), dict(pp=2, pp_schedule="1f1b"),
+               dict(pp=2, pp_schedule="zero-bubble"), dict(cp=2), dict(dp=2, ep=2)]
+    t = TrainConfig(steps=3, seq_len=32, micro_batch=1, grad_accum=2, seed=1, progress=False, dtype="bf16")
+    cfgs = [validate(RunConfig(model=get_preset("tiny-moe" if "ep" in kw else "tiny"), parallel=ParallelConfig(**kw),
+                               train=t), 2) for kw in layouts]
+    for rank_left in run_distributed(2, _params_left_after_dropping, cfgs):
+        assert rank_left == [0] * len(layouts), list(zip(layouts, rank_left))

@@ -281,9 +281,6 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         raise ConfigError(f"--compile with --recompute full, an MoE model and --pp-schedule "
                           f"{cfg.parallel.pp_schedule}: the recomputed forward does not replay the compiled one; "
                           f"use --recompute selective, or another --pp-schedule, or drop --compile")
-    if t.fp8 and t.compile:
-        raise ConfigError("--fp8 with --compile: not validated together yet; drop one of them")
-
     if t.resume and t.init_from:
         check_start(t.resume, t.init_from)
     if t.override_schedule and not t.resume:

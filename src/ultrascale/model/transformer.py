@@ -61,14 +61,31 @@ def apply_rope(x, cos, sin):
     return out.type_as(x)
 
 
+def causal_attention(q, k, v, attn_mask=None, is_causal=True):
+    """SDPA over q [b, heads, s, d] and k, v [b, kv_heads, t, d]: causal, or under `attn_mask`.
+
+    GQA: each kv head serves heads/kv_heads query heads. On CUDA, FlashAttention takes grouped
+    heads but only fp16/bf16, and the memory-efficient kernel takes fp32 but not grouped heads:
+    SDPA would fall back to the math kernel, which keeps the s x s scores of every layer for the
+    backward (measured on an H100: smollm-135m in fp32 at 4 x 1024 tokens held 13.5 GiB instead of
+    9). There the kv heads are repeated first, so the memory-efficient kernel runs; elsewhere SDPA
+    groups the heads itself.
+    """
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        group = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal and attn_mask is None,
+                                          enable_gqa=gqa)
+
+
 class CoreAttention(nn.Module):
     """softmax(QK^T / sqrt(d)) V with a causal mask: the part of attention that
     holds no weights, which selective recomputation recomputes and context
     parallelism replaces with ring attention."""
 
     def forward(self, q, k, v):
-        # q [b, heads, s, d]; k, v [b, kv_heads, s, d]. GQA: each kv head serves heads/kv_heads query heads.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return causal_attention(q, k, v)
 
 
 class KVCache:
@@ -105,11 +122,11 @@ def cached_attention(q, k, v):
     query i sees keys 0..t-s+i. (SDPA's is_causal aligns the mask to the top-left corner, which
     is right only when s == t.)"""
     s, t = q.shape[2], k.shape[2]
-    gqa = k.shape[1] != q.shape[1]
     if s == t:  # the prompt, into an empty cache: the training forward's call
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    mask = None if s == 1 else torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return causal_attention(q, k, v)
+    if s == 1:  # one new query sees every key: no mask at all
+        return causal_attention(q, k, v, is_causal=False)
+    return causal_attention(q, k, v, attn_mask=torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s))
 
 
 class Attention(nn.Module):

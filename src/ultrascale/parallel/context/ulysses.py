@@ -14,8 +14,7 @@ limit: cp x tp must divide the key/value heads.
 
 from __future__ import annotations
 
-import torch.nn.functional as F
-
+from ultrascale.model.transformer import causal_attention
 from ultrascale.parallel.context.comm import AllToAll, ContextGroup
 
 # Attention runs on [b, heads, s, d] views of [b, s, heads, d] memory; the trades are done on that memory.
@@ -31,8 +30,8 @@ def _heads_to_seq(x, cpg):
 
 
 def local_attention(q, k, v):
-    """Full causal attention of a head shard over the whole sequence."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    """Full causal attention of a head shard over the whole sequence (the model's own SDPA call)."""
+    return causal_attention(q, k, v)
 
 
 def ulysses_attention(q, k, v, cpg: ContextGroup):
