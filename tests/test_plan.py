@@ -195,13 +195,15 @@ def test_llama3_70b_on_8_h100_never_answers_over_80_gb(capsys):
     assert res["gpus_needed"] and res["gpus_needed"] > 8
     code, out, _ = cli(capsys, "plan", "--model", "llama3-70b", "--gpus", "8", "--offload", "none")
     assert "Nothing fits" in out and "smallest per-GPU footprint" in out
-    # With the optimizer's states in host memory it fits, and no answer is over 80 GB either.
+    # With the optimizer's states in host memory it fits, and no answer needs over 80 GB either: the
+    # live tensors and the context fit; only the allocator's planned slack may go past the card.
     code, out, err = cli(capsys, *args)
     assert code == 0, err
     res = json.loads(out)
     assert res["candidates"]
     for c in res["candidates"]:
-        assert c["memory"]["total"] <= 80 * GIB and c["layout"]["offload"] != "none"
+        assert c["memory"]["needed"] <= 80 * GIB and c["layout"]["offload"] != "none"
+        assert c["memory"]["total"] - c["memory"]["needed"] <= 0.2 * c["memory"]["total"]
 
 
 def test_search_invariants(capsys):
@@ -217,7 +219,7 @@ def test_search_invariants(capsys):
         assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == 16
         assert lay["tp"] <= 8 and 32 % lay["tp"] == 0 and 8 % lay["tp"] == 0
         assert lay["micro_batch"] * lay["grad_accum"] * lay["dp"] * lay["seq_len"] == 524288
-        assert c["memory"]["total"] <= get_cluster(gpu="h100-80gb").memory_bytes
+        assert c["memory"]["needed"] <= get_cluster(gpu="h100-80gb").memory_bytes
         # What the search reports is what `plan memory` says of the same layout.
         # (The plan command cuts stages evenly unless --partition compute asks for nanotron's split.)
         fw = dataclasses.replace(get_framework(res["framework"]), partition="even")

@@ -28,7 +28,9 @@ Regions: `tp` tensors live in the head / FFN-column shards (/tp); `norm` tensors
 are the full-hidden ones that sequence parallelism cuts along the sequence
 (/tp with SP, whole without); `linear_in` is the input of a column-parallel
 linear: with SP it is all-gathered, and Megatron keeps only the shard (re-gather
-in backward), others keep the gathered copy. Full recomputation keeps only each block's input.
+in backward), others keep the gathered copy. Full recomputation keeps only each block's input;
+selective recomputation drops the attention core (Megatron) or, under torchtitan's op-level
+policy, keeps only the outputs of chosen ops (`op_policy_terms`).
 
 Context parallelism cuts every token-wise tensor by cp (measured against the
 engine, tests/test_context_parallel.py), with what each attention variant adds:
@@ -66,6 +68,9 @@ class ActivationSpec:
     dropout: bool = False  # dropout after attention and MLP keeps a 1-byte mask each (Megatron's GPT)
     fused_swiglu: bool = False  # a fused SwiGLU keeps gate, up and the product (3f), recomputing silu
     seq_len: int = 0  # keys each query sees, for eager attention's s x s tensors
+    # What "selective" recomputation keeps: "attention" (Megatron's: everything but the attention
+    # core) or "op" (torchtitan's op-level policy: the outputs of chosen ops, the rest replayed).
+    selective: str = "attention"
 
 
 def _norm(shape, spec: ActivationSpec) -> list[tuple[str, float, str]]:
@@ -146,9 +151,24 @@ def divisor(region: str, spec: ActivationSpec) -> int:
         return spec.tp
     if region == "norm":
         return (spec.tp if sp else 1) * spec.cp
+    if region == "tp_partial":  # a row-parallel output before its reduce-scatter: the full sequence of the group
+        return spec.cp
     if region == "linear_in":
         return (spec.tp if sp and not spec.sp_keeps_gathered_input else 1) * spec.cp
     raise ValueError(region)
+
+
+def op_policy_terms(shape, spec: ActivationSpec) -> list[tuple[str, float, str]]:
+    """What torchtitan's op-level selective checkpointing keeps of a block (its `op` policy,
+    torchtitan/models/llama3/infra/parallelize.py, `_save_list`): the block's input (the
+    checkpoint's argument), the attention kernel's output and log-sum-exp, and the output of every
+    other matmul in call order (wq kept, wk replayed, wv kept, wo replayed, w1 kept, w3 replayed,
+    w2 kept). Norms, RoPE, SiLU and the products are replayed in the backward."""
+    h, kv, b, a, f = shape.hidden, shape.kv_dim, spec.act_bytes, shape.heads, shape.ffn_hidden
+    return [("block input", b * h, "norm"), ("q (wq output)", b * h, "tp"), ("v (wv output)", b * kv, "tp"),
+            ("SDPA output", b * h, "tp"), ("SDPA logsumexp", 4 * a, "tp"), ("w1 output", b * f, "tp"),
+            # w2's output before the sequence-parallel reduce-scatter: every token of the tp group, all of h
+            ("w2 output", b * h, "tp_partial")]
 
 
 def layer_bytes(shape, spec: ActivationSpec, tokens: int, recompute: str | None = None) -> float:
@@ -157,6 +177,8 @@ def layer_bytes(shape, spec: ActivationSpec, tokens: int, recompute: str | None 
     if recompute == "full":
         # Only the block's input survives (the residual stream, in the compute dtype, SP-sharded).
         return tokens * spec.act_bytes * shape.hidden / divisor("norm", spec)
+    if recompute == "selective" and spec.selective == "op" and not shape.is_moe:
+        return sum(tokens * per_token / divisor(region, spec) for _, per_token, region in op_policy_terms(shape, spec))
     total = 0.0
     for name, per_token, region in layer_terms(shape, spec):
         if recompute == "selective":

@@ -51,7 +51,7 @@ class Framework:
     # scores are built and softmaxed in memory, then merged; "flash" where a fused kernel returns each
     # block's log-sum-exp (our engine on the CPU: parallel/context/blocks.py).
     cp_block_attention: str = "flash"
-    dropout: bool = False  # 1-byte dropout masks after attention and MLP
+    dropout: bool = False  # the framework runs the model's dropout (1-byte masks), where the model has any
     fused_swiglu: bool = False  # SwiGLU keeps 3f per token, not 4f
     zero3_with_ep: bool = True  # ZeRO-3 gathers expert weights per unit too (FSDP2 + EP; our engine does not)
     float8: bool = False  # the blocks' linears run in float8 (torchao's Float8Linear, tensorwise scaling)
@@ -59,6 +59,9 @@ class Framework:
     # parameters gathered from the first forward to the last backward and reduce once (torchtitan
     # under PP: no reshard after forward, gradient sync on the last micro-batch).
     zero3_reshards_in_pipeline: bool = True
+    # What --recompute selective keeps: "attention" (Megatron: all but the attention core) or "op"
+    # (torchtitan's op-level policy; activations.op_policy_terms).
+    selective: str = "attention"
 
 
 FRAMEWORKS = {
@@ -93,7 +96,7 @@ FRAMEWORKS = {
         "torchtitan", kernels="fused", sp_keeps_gathered_input=True, partition="even",
         context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.43, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
         collective_step_s=20e-6, help="torchtitan: FSDP2 + TP + PP, compiled blocks, float8 linears",
-        float8=True, zero3_reshards_in_pipeline=False),
+        float8=True, zero3_reshards_in_pipeline=False, selective="op"),
 }
 
 

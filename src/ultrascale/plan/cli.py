@@ -299,7 +299,7 @@ def _layout(args, shape):
 def cmd_memory(args) -> int:
     from ultrascale.plan import report
     from ultrascale.plan.layout import check_framework
-    from ultrascale.plan.memory import memory_plan
+    from ultrascale.plan.memory import fits, memory_plan, verdict
     from ultrascale.plan.time import step_time
 
     shape = _shape(args)
@@ -323,7 +323,7 @@ def cmd_memory(args) -> int:
         out = {"model": shape.name, "param_count": shape.count(), "gpu": gpu.gpu.name, "cluster": gpu.name,
                "gpu_memory_bytes": round(gpu.memory_bytes),
                "framework": fw.name, "layout": lay.to_dict(), "memory": mem,
-               "fits": plan.peak.total <= gpu.memory_bytes, "time": timing.as_dict()}
+               "fits": fits(plan, gpu), "verdict": verdict(plan, gpu), "time": timing.as_dict()}
         print(json.dumps(out, indent=1))
         return 0
     print("\n".join(report.memory_lines(shape, lay, plan, gpu, fw)))

@@ -12,7 +12,8 @@ Terms (bytes per GPU):
                         fp32 copy) while the loss runs; the backward working set of one
                         block (its activation gradients, about its saved activations),
                         twice under full recomputation (the block recomputed, then its
-                        gradients)
+                        gradients); under zero-bubble schedules, the output gradients
+                        that deferred weight-gradient passes hold
   comm_buffers          the all-gathered input of a sequence-parallel linear and the
                         full output before its reduce-scatter; pipeline send/receive
                         buffers; ring-attention K/V blocks (double-buffered), the
@@ -50,6 +51,7 @@ class StageMemory:
     layers: int
     param_count: float
     offloaded: float = 0.0  # bytes of model states in host memory or on disk (--offload), not in `terms`
+    slack: float = 0.0  # the fragmentation part of terms["overhead"]
 
     @property
     def total(self) -> float:
@@ -59,6 +61,13 @@ class StageMemory:
     def allocated(self) -> float:
         """What the allocator hands out at the peak (no context, no fragmentation)."""
         return self.total - self.terms["overhead"]
+
+    @property
+    def needed(self) -> float:
+        """What must fit on the card: the live tensors and the CUDA context. The fragmentation
+        term is the caching allocator's slack, which it gives back (empties its cache and retries)
+        before it runs out of memory: a plan over the card by that term alone is tight, not refused."""
+        return self.total - self.slack
 
 
 @dataclass
@@ -71,16 +80,19 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         p = self.peak
-        return {"total": p.total, "stage": p.stage, "in_flight_micro_batches": p.in_flight, "layers": p.layers,
+        return {"total": p.total, "needed": max(s.needed for s in self.stages), "stage": p.stage, "in_flight_micro_batches": p.in_flight, "layers": p.layers,
                 "param_count": p.param_count, "offloaded": p.offloaded, **{k: p.terms[k] for k in TERMS},
                 "stages": [{"stage": s.stage, "total": s.total, **s.terms} for s in self.stages]}
 
 
-def activation_spec(lay, fw: Framework) -> act.ActivationSpec:
+def activation_spec(lay, fw: Framework, shape=None) -> act.ActivationSpec:
+    # Dropout is the model's (GPT-3 has it, Llama has none) as the framework runs it.
+    dropout = fw.dropout and (shape is None or shape.dropout)
     return act.ActivationSpec(act_bytes=get_precision(lay.precision).act_bytes, tp=lay.tp, sp=lay.sp_on, cp=lay.cp,
                               ep=lay.ep, recompute=lay.recompute, cp_attention=lay.cp_attention, kernels=fw.kernels,
                               sp_keeps_gathered_input=fw.sp_keeps_gathered_input, attention=fw.attention,
-                              dropout=fw.dropout, fused_swiglu=fw.fused_swiglu, seq_len=lay.seq_len)
+                              dropout=dropout, fused_swiglu=fw.fused_swiglu, seq_len=lay.seq_len,
+                              selective=fw.selective)
 
 
 def _engine_exact(shape, lay, fw) -> bool:
@@ -151,9 +163,26 @@ def _comm_buffers(shape, lay, spec, tokens, states) -> float:
     return out
 
 
+def _deferred_w_bytes(shape, lay, spec, tokens, n_layers, stage) -> float:
+    """Zero-bubble schedules (ZB-H1, DualPipeV) split each backward into B (input gradients) and W
+    (weight gradients) and defer W to fill the bubble. A deferred W needs the gradient of every
+    linear's output, held from B to W (its inputs are the saved activations, counted already): per
+    token of a micro-batch, the gradients of q, k, v, o, and the MLP's outputs. Stage i ends its
+    warm-up with min(p - 1 - i, m) of them pending (ZB-H1's cool-down fills its p - 1 - i idle
+    slots with W passes; Qi et al. 2023, figure 3); DualPipeV is given the same count."""
+    if lay.pp == 1 or lay.schedule not in ("zero-bubble", "dualpipev") or not n_layers:
+        return 0.0
+    h, kv, b = shape.hidden, shape.kv_dim, spec.act_bytes
+    f = shape.expert_ffn * shape.top_k if shape.is_moe else shape.ffn_hidden
+    mlp_out = (2 * f if shape.mlp == "swiglu" else f) + h
+    per_token = b * (2 * h + 2 * kv + mlp_out) / (lay.tp * lay.cp)
+    pending = min(lay.pp - 1 - stage, lay.grad_accum)
+    return pending * n_layers * tokens * per_token
+
+
 def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
     """The memory of every pipeline stage of `lay` (check_layout first)."""
-    spec = activation_spec(lay, fw)
+    spec = activation_spec(lay, fw, shape)
     tokens = lay.micro_batch * lay.seq_len
     layer = act.layer_bytes(shape, spec, tokens)
     layer_none = act.layer_bytes(shape, spec, tokens, recompute="none")
@@ -183,19 +212,39 @@ def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
         if last:
             per_chunk[-1] += act.final_norm_bytes(shape, spec, tokens)
         terms = {k: states[k] for k in ("params", "grads", "optim")}
+        if lay.zero == 3 and lay.pp > 1 and not fw.zero3_reshards_in_pipeline:
+            # FSDP inside a pipeline, as torchtitan runs it: the stage's parameters stay gathered
+            # from the first forward to the last backward (reshard_after_forward=False) and the
+            # gradients are reduced once, after the last micro-batch, so the whole stage's
+            # parameters (compute dtype) and its unsharded gradients (fp32, FSDP's reduce dtype)
+            # live through the step beside the shards.
+            terms["params"] += states["param_count"] * get_precision(lay.precision).param_bytes
+            terms["grads"] += states["param_count"] * 4
         terms["activations"] = sum(h * a for h, a in zip(held, per_chunk))
         terms["logits"] = held[-1] * act.loss_saved_bytes(shape, spec, tokens) if last else 0.0
         working = layer_none * (2 if lay.recompute == "full" else 1) if n_layers else 0.0
-        terms["transient"] = working + (act.loss_transient_bytes(shape, spec, tokens) if last else 0.0)
+        terms["transient"] = (working + (act.loss_transient_bytes(shape, spec, tokens) if last else 0.0)
+                              + _deferred_w_bytes(shape, lay, spec, tokens, n_layers, stage))
         terms["comm_buffers"] = comm
         dynamic = sum(terms[k] for k in DYNAMIC)
         terms["overhead"] = fw.context_bytes + fw.fragmentation * dynamic
-        plan.stages.append(StageMemory(stage, terms, flight, n_layers, states["param_count"], states["offloaded"]))
+        plan.stages.append(StageMemory(stage, terms, flight, n_layers, states["param_count"], states["offloaded"],
+                                       slack=fw.fragmentation * dynamic))
     return plan
 
 
 def fits(plan: MemoryPlan, gpu) -> bool:
-    return plan.peak.total <= gpu.memory_bytes
+    """The live tensors and the context of every stage fit the card (StageMemory.needed)."""
+    return max(s.needed for s in plan.stages) <= gpu.memory_bytes
+
+
+def verdict(plan: MemoryPlan, gpu) -> str:
+    if plan.peak.total <= gpu.memory_bytes:
+        return "fits"
+    if fits(plan, gpu):
+        return (f"fits tightly: {(gpu.memory_bytes - max(s.needed for s in plan.stages)) / GIB:.1f} GiB left "
+                f"for the allocator's cache (planned {plan.peak.terms['overhead'] / GIB - 1e-9:.1f} GiB of overhead)")
+    return "does NOT fit"
 
 
 def gib(x: float) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ultrascale.plan.calibration import GIB
-from ultrascale.plan.memory import TERMS
+from ultrascale.plan.memory import TERMS, verdict
 from ultrascale.plan.precision import get_precision
 
 FORMULAS = {
@@ -36,8 +36,8 @@ def memory_lines(shape, lay, plan, gpu, fw) -> list[str]:
         v = peak.terms[term]
         note = FORMULAS[term].format(flight=peak.in_flight, **shard)
         out.append(f"  {term:<13}{gib(v)}  {v:>18,.0f} B   {note}")
-    verdict = "fits" if peak.total <= gpu.memory_bytes else "does NOT fit"
-    out.append(f"  {'total':<13}{gib(peak.total)}  of {gpu.memory_gib:.2f} GiB on a {gpu.gpu.name}: {verdict}")
+    out.append(f"  {'total':<13}{gib(peak.total)}  of {gpu.memory_gib:.2f} GiB on a {gpu.gpu.name}: "
+               f"{verdict(plan, gpu)}")
     return out
 
 

@@ -36,6 +36,8 @@ class ModelShape:
     top_k: int = 1
     expert_ffn_hidden: int = 0  # 0: ffn_hidden
     shared_expert_ffn: int = 0  # an MLP every token visits, beside the routed experts (DeepSeek)
+    # Dropout after attention and the MLP (GPT-3, Megatron's GPT); Llama, Mixtral, Qwen, DeepSeek train without.
+    dropout: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -175,7 +177,7 @@ MOE_PRESETS: dict[str, ModelShape] = {}
 # for them, so they live here. Korthikanti et al. 2022, Table 3 (vocabulary 51,200 padded):
 def _gpt(name, h, heads, layers, vocab=51200):
     return ModelShape(name=name, vocab=vocab, hidden=h, layers=layers, heads=heads, kv_heads=heads, ffn_hidden=4 * h,
-                      norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True)
+                      norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True, dropout=True)
 
 
 PUBLISHED_PRESETS = {name: _gpt(name, h, a, layers) for name, h, a, layers in (
