@@ -148,22 +148,24 @@ def add_parser(sub) -> None:
     pub.set_defaults(func=cmd_published)
 
 
-def _shape(args):
+def _model(args):
+    """The model asked for: the preset, the fields given and what follows from them (plan/overrides.py)."""
     from ultrascale.errors import ConfigError
-    from ultrascale.plan.shape import get_shape, known_models
+    from ultrascale.plan.shape import known_models, resolve_shape
 
     if not args.model:
         raise ConfigError(f"--model is required: one of {', '.join(known_models())}")
     overrides = {k[len("shape_"):]: v for k, v in vars(args).items() if k.startswith("shape_") and v is not None}
-    if args.block == "gpt":  # the GPT-3 block (Korthikanti et al.'s count): its MLP is 4h wide unless given
-        hidden = overrides.get("hidden") or get_shape(args.model).hidden
-        overrides = {"norm": "layernorm", "mlp": "gelu", "bias": True, "ffn_hidden": 4 * hidden, **overrides}
-    elif args.block == "llama":
-        overrides = {"norm": "rmsnorm", "mlp": "swiglu", "bias": False, **overrides}
     for k, v in overrides.items():
         if isinstance(v, int) and not isinstance(v, bool) and v <= 0 and k not in ("experts",):
             raise ConfigError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
-    return get_shape(args.model, **overrides)
+    # --block: the GPT-3 block (LayerNorm, GELU, biases; its MLP 4h wide by GPT-3's rule unless given)
+    # or the Llama block, in place of the preset's.
+    if args.block == "gpt":
+        overrides = {"norm": "layernorm", "mlp": "gelu", "bias": True, **overrides}
+    elif args.block == "llama":
+        overrides = {"norm": "rmsnorm", "mlp": "swiglu", "bias": False, **overrides}
+    return resolve_shape(args.model, **overrides)
 
 
 def _context(args):
@@ -208,7 +210,8 @@ def cmd_search(args) -> int:
     from ultrascale.plan.layout import check_framework
     from ultrascale.plan.search import batch_sequences, gpus_needed, search
 
-    shape = _shape(args)
+    model = _model(args)
+    shape = model.shape
     gpu, fw = _context(args)
     if args.gpus is None:
         raise ConfigError("--gpus is required (or use `ultrascale plan memory` for one configuration)")
@@ -254,10 +257,11 @@ def cmd_search(args) -> int:
             raise ConfigError(f"--emit-config {args.emit_config}: no layout fits, nothing to write")
         from ultrascale.plan.emit import write
 
-        write(args.emit_config, shape, result.ranked[0].layout)
+        write(args.emit_config, shape, result.ranked[0].layout, model)
     needed = None if result.ranked else gpus_needed(shape, args.gpus, gpu, fw, args.seq_len,
                                                     args.global_batch_tokens, args.precision, fixed)
-    out = {"model": shape.name, "gpus": args.gpus, "gpu": gpu.gpu.name, "cluster": gpu.name, "framework": fw.name,
+    out = {"model": shape.name, "shape": model.as_dict(), "gpus": args.gpus, "gpu": gpu.gpu.name, "cluster": gpu.name,
+           "framework": fw.name,
            "enumerated": result.enumerated, "fitting": len(result.ranked),
            "candidates": [c.as_dict() for c in result.ranked[:args.top]],
            "smallest": result.smallest.as_dict() if result.smallest else None, "gpus_needed": needed}
@@ -274,6 +278,8 @@ def cmd_search(args) -> int:
         return 0
     print(f"{shape.name} on {args.gpus} x {gpu.gpu.name}: {sequences} sequences x {args.seq_len} tokens per step, "
           f"precision {args.precision}, {assumptions(gpu, fw)}")
+    for line in model.lines():  # a changed preset: what was given and what followed
+        print(line)
     if not result.ranked:
         print("\n".join(report.nothing_fits(shape, result, gpu, args.gpus, needed)))
         return 0
@@ -302,7 +308,8 @@ def cmd_memory(args) -> int:
     from ultrascale.plan.memory import fits, memory_plan, verdict
     from ultrascale.plan.time import step_time
 
-    shape = _shape(args)
+    model = _model(args)
+    shape = model.shape
     gpu, fw = _context(args)
     lay = _layout(args, shape)
     check_framework(fw, lay.ep, lay.zero)
@@ -311,7 +318,7 @@ def cmd_memory(args) -> int:
     if args.emit_config:
         from ultrascale.plan.emit import write
 
-        write(args.emit_config, shape, lay)
+        write(args.emit_config, shape, lay, model)
     if args.chart:
         from ultrascale.plan.chart import draw_memory
 
@@ -320,13 +327,13 @@ def cmd_memory(args) -> int:
         mem = {k: (round(v) if k not in ("in_flight_micro_batches",) else v) for k, v in plan.as_dict().items()
                if not isinstance(v, list)}
         mem["stages"] = [{k: round(v) for k, v in s.items()} for s in plan.as_dict()["stages"]]
-        out = {"model": shape.name, "param_count": shape.count(), "gpu": gpu.gpu.name, "cluster": gpu.name,
-               "gpu_memory_bytes": round(gpu.memory_bytes),
+        out = {"model": shape.name, "shape": model.as_dict(), "param_count": shape.count(), "gpu": gpu.gpu.name,
+               "cluster": gpu.name, "gpu_memory_bytes": round(gpu.memory_bytes),
                "framework": fw.name, "layout": lay.to_dict(), "memory": mem,
                "fits": fits(plan, gpu), "verdict": verdict(plan, gpu), "time": timing.as_dict()}
         print(json.dumps(out, indent=1))
         return 0
-    print("\n".join(report.memory_lines(shape, lay, plan, gpu, fw)))
+    print("\n".join(report.memory_lines(shape, lay, plan, gpu, fw, model)))
     print("\n".join(report.time_lines(timing)))
     print(f"assumes {assumptions(gpu, fw)}")
     if args.chart:

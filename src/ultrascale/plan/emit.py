@@ -35,17 +35,18 @@ def _dtype(precision: str) -> str:
     raise ConfigError(f"--emit-config: the engine has no {precision!r} recipe; use --precision bf16 or fp32")
 
 
-def run_config(shape, lay) -> dict:
-    """{section: {field: value}} for `ultrascale train --config`."""
+def run_config(shape, lay, model_of=None) -> dict:
+    """{section: {field: value}} for `ultrascale train --config`. `model_of`: the account of a changed
+    preset (plan/overrides.py Resolved), whose preset the file names."""
     from ultrascale.model.config import PRESETS
 
     if shape.is_moe or lay.ep > 1:
         raise ConfigError("--emit-config: the engine has no Mixture-of-Experts layers yet; plan a dense model")
-    preset_name = shape.name if shape.name in PRESETS else None
-    if preset_name is None:
-        raise ConfigError(f"--emit-config: {shape.name!r} is not one of the engine's model presets")
+    preset_name = model_of.base if model_of else shape.name
+    if preset_name not in PRESETS:
+        raise ConfigError(f"--emit-config: {preset_name!r} is not one of the engine's model presets")
     preset = PRESETS[preset_name]
-    model = {"preset": preset_name}
+    model = {"preset": preset_name}  # a custom shape: the preset it came from and the fields that differ
     for ours, theirs in _MODEL_FIELDS.items():
         if getattr(shape, ours) != getattr(preset, theirs):
             model[theirs] = getattr(shape, ours)
@@ -71,9 +72,12 @@ def to_toml(sections: dict, header: str = "") -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
-def write(path: str, shape, lay) -> None:
-    text = to_toml(run_config(shape, lay), f"ultrascale plan: {shape.name}, {lay.label()}\n"
-                                          f"run with: ultrascale train --config {path}")
+def write(path: str, shape, lay, model_of=None) -> None:
+    # A changed preset is said in the header, "custom (from tiny)" with what was given and derived
+    # (the engine's [model] takes no name beside its preset).
+    notes = "".join(line + "\n" for line in (model_of.lines() if model_of else []))
+    text = to_toml(run_config(shape, lay, model_of), f"ultrascale plan: {shape.name}, {lay.label()}\n{notes}"
+                                                     f"run with: ultrascale train --config {path}")
     try:
         with open(path, "w") as f:
             f.write(text)

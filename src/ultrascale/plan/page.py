@@ -3,7 +3,8 @@
 One self-contained file (no network: the charts are SVG drawn by a few lines of
 script): the ranked layouts, and for the one selected, its memory per GPU by
 owner against the GPU's memory, its step time by cause, and its pipeline
-schedule as a Gantt chart. The page holds the planner's results (the same
+schedule as a Gantt chart. A preset with fields changed is named "custom (from PRESET)" in the title, with
+the fields given and those derived under it. The page holds the planner's results (the same
 fields as `plan --json`, in a `<script type="application/json">` block a test
 reads back) and the schedules simulated for them; the model stays in Python.
 """
@@ -86,10 +87,11 @@ th, td { padding: 4px 8px; border-bottom: 1px solid #eee; text-align: right; }
 th:nth-child(2), td:nth-child(2) { text-align: left; font-family: monospace; }
 tr.row { cursor: pointer; } tr.row:hover { background: #f4f7fb; } tr.sel { background: #e3ecf7; }
 .grid { display: grid; grid-template-columns: 1fr 1fr; gap: 24px; }
+#model { white-space: pre-line; font-family: monospace; }
 h2 { font-size: 16px; margin: 12px 0 6px; } svg text { font: 12px system-ui, sans-serif; }
 .note { color: #666; font-size: 12px; }
 </style></head><body>
-<h1 id="title"></h1><div class="sub" id="assumes"></div>
+<h1 id="title"></h1><div class="sub" id="model"></div><div class="sub" id="assumes"></div>
 <table id="ranked"><thead><tr><th>#</th><th>layout</th><th>tokens/s/GPU</th><th>MFU</th>
 <th>memory (GiB)</th><th>step (s)</th></tr></thead><tbody></tbody></table>
 <div class="grid"><div><h2>Memory per GPU, by owner</h2><svg id="memory" width="560" height="250"></svg></div>
@@ -159,6 +161,8 @@ function select(i) {
   gantt(document.getElementById("gantt"), g);
 }
 document.getElementById("title").textContent = D.title;
+// A changed preset says which, and what was given and derived (plan/overrides.py); a preset says nothing.
+if (D.shape && D.shape.custom) document.getElementById("model").textContent = D.shape.notes.join("\\n");
 document.getElementById("assumes").textContent = D.assumes + ". " + D.fitting + " of " + D.enumerated +
   " layouts fit; the fastest " + D.candidates.length + " below (click one).";
 const body = document.querySelector("#ranked tbody");

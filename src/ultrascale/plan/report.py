@@ -22,7 +22,8 @@ def gib(x: float) -> str:
     return f"{x / GIB:8.2f} GiB"
 
 
-def memory_lines(shape, lay, plan, gpu, fw) -> list[str]:
+def memory_lines(shape, lay, plan, gpu, fw, model=None) -> list[str]:
+    """`model`: the account of a changed preset (plan/overrides.py Resolved), said after the first line."""
     peak = plan.peak
     prec = get_precision(lay.precision)
     n = lay.dp * lay.cp
@@ -30,6 +31,7 @@ def memory_lines(shape, lay, plan, gpu, fw) -> list[str]:
     sizes = {"b": prec.param_bytes, "g": prec.grad_bytes, "k": prec.optim_bytes}
     out = [f"{shape.name}: {shape.count():,} parameters ({peak.param_count:,.0f} on this GPU), precision "
            f"{lay.precision} (b={sizes['b']}, g={sizes['g']}, k={sizes['k']} bytes), framework {fw.name}",
+           *(model.lines() if model else []),
            f"layout: {lay.label()}, seq {lay.seq_len}",
            f"per GPU, pipeline stage {peak.stage} of {lay.pp} ({peak.layers} blocks):"]
     for term in TERMS:

@@ -195,7 +195,15 @@ def known_models() -> list[str]:
 
 
 def get_shape(name: str, **overrides) -> ModelShape:
-    """A preset by name (the engine's presets, then the planner's MoE ones), with field overrides."""
+    """A preset by name (the engine's presets, then the planner's), with field overrides and what
+    follows from them by the preset's rule (plan/overrides.py)."""
+    return resolve_shape(name, **overrides).shape
+
+
+def resolve_shape(name: str, **overrides):
+    """`get_shape`, with the account of it: the preset, the fields given, those derived and why."""
+    from ultrascale.plan.overrides import resolve
+
     if name in PRESETS:
         shape = from_model_config(PRESETS[name])
     elif name in MOE_PRESETS:
@@ -204,11 +212,10 @@ def get_shape(name: str, **overrides) -> ModelShape:
         shape = PUBLISHED_PRESETS[name]
     else:
         raise ConfigError(f"unknown model {name!r}: choose one of {', '.join(known_models())}")
-    known = {f.name for f in fields(ModelShape)}
-    extra = {k: v for k, v in overrides.items() if v is not None}
-    bad = set(extra) - known
+    known = {f.name for f in fields(ModelShape)} - {"name"}
+    bad = {k for k, v in overrides.items() if v is not None} - known
     if bad:
         raise ConfigError(f"unknown model field(s) {', '.join(sorted(bad))}")
-    shape = replace(shape, **extra) if extra else shape
-    shape.validate()
-    return shape
+    resolved = resolve(shape, name, overrides)
+    resolved.shape.validate()
+    return resolved
