@@ -195,15 +195,13 @@ def test_llama3_70b_on_8_h100_never_answers_over_80_gb(capsys):
     assert res["gpus_needed"] and res["gpus_needed"] > 8
     code, out, _ = cli(capsys, "plan", "--model", "llama3-70b", "--gpus", "8", "--offload", "none")
     assert "Nothing fits" in out and "smallest per-GPU footprint" in out
-    # With the optimizer's states in host memory it fits, and no answer needs over 80 GB either: the
-    # live tensors and the context fit; only the allocator's planned slack may go past the card.
+    # With the optimizer's states in host memory it fits, and no answer is over 80 GB either.
     code, out, err = cli(capsys, *args)
     assert code == 0, err
     res = json.loads(out)
     assert res["candidates"]
     for c in res["candidates"]:
-        assert c["memory"]["needed"] <= 80 * GIB and c["layout"]["offload"] != "none"
-        assert c["memory"]["total"] - c["memory"]["needed"] <= 0.2 * c["memory"]["total"]
+        assert c["memory"]["total"] <= 80 * GIB and c["layout"]["offload"] != "none"
 
 
 def test_search_invariants(capsys):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ultrascale.errors import ConfigError
 from ultrascale.plan.layout import Layout, check_framework, check_layout
-from ultrascale.plan.memory import MemoryPlan, fits, memory_plan
+from ultrascale.plan.memory import MemoryPlan, memory_plan
 from ultrascale.plan.time import StepTime, step_time
 
 SEARCH_SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "dualpipev")  # AFAB: 1F1B's bubble with more memory, never better
@@ -199,7 +199,9 @@ def _search_tier(result, shape, gpus, gpu, fw, seq_len, sequences, precision, fi
         cand = Candidate(lay, mem)
         if result.smallest is None or mem.peak.total < result.smallest.memory.peak.total:
             result.smallest = cand
-        if fits(mem, gpu):
+        # Room for the allocator's slack too (memory.fits would take a layout that fits only tightly):
+        # the search proposes layouts that fit with the planned overhead.
+        if mem.peak.total <= gpu.memory_bytes:
             if with_time:
                 cand.time = step_time(shape, lay, gpu, fw)
             result.ranked.append(cand)
