@@ -160,7 +160,8 @@ function select(i) {
 }
 document.getElementById("title").textContent = D.title;
 document.getElementById("assumes").textContent = D.assumes + ". " + D.fitting + " of " + D.enumerated +
-  " layouts fit; the fastest " + D.candidates.length + " below (click one).";
+  " layouts fit; the first " + D.candidates.length + " of the ranking below (click one): the " + D.top_group +
+  " predicted within the time model's error of the fastest first, by memory headroom then simplicity.";
 const body = document.querySelector("#ranked tbody");
 D.candidates.forEach((c, i) => {
   const tr = document.createElement("tr"); tr.className = "row"; tr.onclick = () => select(i);
