@@ -236,9 +236,10 @@ def _scaled(run, **layout):
 #   measured): the memory model puts it at 144 GiB of 93.6, so it does not fit; by time alone it is
 #   5% below the fastest, inside the band.
 # - Llama 3.1 70B, FSDP + TP 8, local batch 16, full AC, float8 (torchtitan Table 4 on 256 H100; and
-#   the same per-replica layout on 64 H100, dp 8): full recomputation costs a third more forward work,
-#   26% below the fastest at 256 (beyond the band); without it 8% below. At 64, also 2 GiB over
-#   the memory model's 93.6 GiB.
+#   the same per-replica layout on 64 H100, dp 8): full recomputation costs a forward pass more (a
+#   third more compute), 26% below the fastest at 256 (beyond the band); without it 8% below. At 64,
+#   also 2 GiB over the memory model's 93.6 GiB. Searched with the runs' ZeRO-3 (FSDP) pinned; the
+#   unpinned searches' fastest are the same layouts.
 # - Llama 3 405B on 16,384 H100, tp 8 pp 16 dp 128, interleaved (Llama 3 paper, Table 4): the memory
 #   model puts it at 98 GiB of 79.2; by time alone 14% below the fastest, inside the band. The search
 #   is pinned to the paper's ZeRO-1, no recomputation and micro-batch 1 (a full search takes half a

@@ -189,8 +189,8 @@ def memory_error() -> float:
 def simplicity_key(c: Candidate):
     """Simpler first: less model parallelism (tp·pp·cp·ep, the ranks one replica spans: a count of axes
     alone would call cp64 as simple as dp64), fewer parallel axes above 1 (dp, tp, pp, cp, ep), less
-    recomputation (its cost is arithmetic, a third more forward work for full, not a guess of the
-    model), a lower ZeRO stage, a simpler pipeline schedule with fewer chunks, the even stage split."""
+    recomputation (its cost is arithmetic, one more forward pass for full: a third more compute, not
+    a guess of the model), a lower ZeRO stage, a simpler pipeline schedule with fewer chunks, the even stage split."""
     lay = c.layout
     axes = sum(n > 1 for n in (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep))
     uneven = bool(lay.first_stage_layers or lay.last_stage_layers)
@@ -221,7 +221,7 @@ def rank(cands: list, capacity: float, band: float, mem_error: float) -> list:
         return []
     fastest = by_time[0].time.tokens_per_s_per_gpu
     for c in by_time:
-        c.slower = max(0.0, 1 - c.time.tokens_per_s_per_gpu / fastest)
+        c.slower = 1 - c.time.tokens_per_s_per_gpu / fastest
         c.top_group = c.slower <= band
     group = sorted((c for c in by_time if c.top_group),
                    key=lambda c: (headroom_key(c, capacity, mem_error), simplicity_key(c), time_key(c)))
