@@ -75,7 +75,7 @@ def table(result, top: int) -> list[str]:
     out = group_lines(result) + [head, "-" * len(head)]
     for i, c in enumerate(cands[:top], 1):
         if i == group + 1:
-            out.append(f"  below the band, by predicted throughput (slower: than the fastest):")
+            out.append("  below the band, by predicted throughput (slower: than the fastest):")
         slower = "-" if c.top_group else pct(c.slower)
         out.append(f"{i:>5}  {c.layout.label():<62} {c.memory.peak.total / GIB:>6.1f} GiB "
                    f"{(capacity - c.memory.peak.total) / GIB:>5.1f} GiB {c.time.step_s:>7.2f}s "
@@ -108,7 +108,7 @@ def _schedule(lay) -> str:
 
 
 # search.simplicity_key's fields, in its order: what each means, and how to show one layout's value.
-SIMPLICITY = (("less model parallelism (tp x pp x cp x ep)", lambda lay, v: str(v)),
+SIMPLICITY = (("less model parallelism, tp x pp x cp x ep", lambda lay, v: str(v)),
               ("fewer parallel axes above 1", lambda lay, v: str(v)),
               ("less recomputation", lambda lay, v: lay.recompute),
               ("a lower ZeRO stage", lambda lay, v: f"ZeRO-{v}"),
