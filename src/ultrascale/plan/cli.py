@@ -263,6 +263,8 @@ def cmd_search(args) -> int:
     out = {"model": shape.name, "shape": model.as_dict(), "gpus": args.gpus, "gpu": gpu.gpu.name, "cluster": gpu.name,
            "framework": fw.name,
            "enumerated": result.enumerated, "fitting": len(result.ranked),
+           "error_band": result.band, "memory_error": result.memory_error, "top_group": len(result.top_group),
+           "fastest": result.fastest.as_dict() if result.fastest else None,
            "candidates": [c.as_dict() for c in result.ranked[:args.top]],
            "smallest": result.smallest.as_dict() if result.smallest else None, "gpus_needed": needed}
     if args.html:
@@ -283,7 +285,7 @@ def cmd_search(args) -> int:
     if not result.ranked:
         print("\n".join(report.nothing_fits(shape, result, gpu, args.gpus, needed)))
         return 0
-    print("\n".join(report.table(result.ranked, args.top)))
+    print("\n".join(report.table(result, args.top)))
     print("\n".join(report.explain(shape, result, gpu, args.gpus, sequences)))
     if args.html:
         print(f"page: {args.html}")

@@ -164,7 +164,8 @@ document.getElementById("title").textContent = D.title;
 // A changed preset says which, and what was given and derived (plan/overrides.py); a preset says nothing.
 if (D.shape && D.shape.custom) document.getElementById("model").textContent = D.shape.notes.join("\\n");
 document.getElementById("assumes").textContent = D.assumes + ". " + D.fitting + " of " + D.enumerated +
-  " layouts fit; the fastest " + D.candidates.length + " below (click one).";
+  " layouts fit; the first " + D.candidates.length + " of the ranking below (click one): the " + D.top_group +
+  " predicted within the time model's error of the fastest first, by memory headroom then simplicity.";
 const body = document.querySelector("#ranked tbody");
 D.candidates.forEach((c, i) => {
   const tr = document.createElement("tr"); tr.className = "row"; tr.onclick = () => select(i);

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ultrascale.plan.calibration import GIB
 from ultrascale.plan.memory import TERMS, verdict
 from ultrascale.plan.precision import get_precision
+from ultrascale.plan.search import headroom_key, simplicity_key
 
 FORMULAS = {
     "params": "b·Psi{z3}",
@@ -49,12 +50,43 @@ def time_lines(t) -> list[str]:
             f"  breakdown: {parts}"]
 
 
-def table(cands, top: int) -> list[str]:
-    head = f"{'#':>3}  {'layout':<62} {'memory':>10} {'step':>8} {'tok/s/GPU':>10} {'MFU':>6}"
-    out = [head, "-" * len(head)]
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def group_lines(result) -> list[str]:
+    """What the top group is and why it is ordered as it is."""
+    fastest, n, band = result.fastest, len(result.top_group), pct(result.band)
+    head = (f"Top group: {n} layouts within ±{band} of the fastest: the time model cannot order these; ordered by "
+            f"memory headroom, then simplicity." if n > 1 else
+            f"Top group: the fastest alone, no other layout is within ±{band} of it.")
+    return [head,
+            f"  ±{band}: the time model's largest error on the published runs (`ultrascale plan published`); the "
+            f"fastest predicted: {fastest.layout.label()}, {fastest.time.tokens_per_s_per_gpu:,.0f} tokens/s/GPU.",
+            f"  Headroom above the memory model's {pct(result.memory_error)} median error (`ultrascale plan validate`) "
+            f"counts as enough; simplicity: less model parallelism, fewer parallel axes, less recomputation, a lower "
+            f"ZeRO stage, a simpler schedule."]
+
+
+def table(result, top: int) -> list[str]:
+    """The ranking: the top group (no "slower" figure: the model cannot tell), then the layouts below
+    the band, each with its predicted shortfall from the fastest."""
+    cands, capacity, group = result.ranked, result.capacity, len(result.top_group)
+    head = (f"{'#':>5}  {'layout':<62} {'memory':>10} {'free':>9} {'step':>8} {'tok/s/GPU':>10} {'MFU':>6} "
+            f"{'slower':>7}")
+    out = group_lines(result) + [head, "-" * len(head)]
     for i, c in enumerate(cands[:top], 1):
-        out.append(f"{i:>3}  {c.layout.label():<62} {c.memory.peak.total / GIB:>6.1f} GiB {c.time.step_s:>7.2f}s "
-                   f"{c.time.tokens_per_s_per_gpu:>10,.0f} {100 * c.time.mfu:>5.1f}%")
+        if i == group + 1:
+            out.append("  below the band, by predicted throughput (slower: than the fastest):")
+        slower = "-" if c.top_group else pct(c.slower)
+        out.append(f"{i:>5}  {c.layout.label():<62} {c.memory.peak.total / GIB:>6.1f} GiB "
+                   f"{(capacity - c.memory.peak.total) / GIB:>5.1f} GiB {c.time.step_s:>7.2f}s "
+                   f"{c.time.tokens_per_s_per_gpu:>10,.0f} {100 * c.time.mfu:>5.1f}% {slower:>7}")
+    shown = min(top, len(cands))
+    hidden = {"in the top group": max(0, group - shown), "below the band": len(cands) - max(shown, group)}
+    if shown < len(cands):
+        more = " and ".join(f"{n} more {where}" for where, n in hidden.items() if n)
+        out.append(f"  ({more}: --top {len(cands)} lists them all)")
     return out
 
 
@@ -64,7 +96,7 @@ def _costliest(t) -> str:
     return f"{k.replace('_', ' ')} ({100 * waits[k] / t.step_s:.0f}% of the step)"
 
 
-def _why(c, gpu) -> str:
+def _trades(c, gpu) -> str:
     """The three things a layout trades: memory headroom, the pipeline bubble, exposed communication."""
     t = c.time
     comm = sum(v for k, v in t.breakdown.items() if k.endswith("_comm") or k == "sync")
@@ -73,8 +105,62 @@ def _why(c, gpu) -> str:
             f"{100 * comm / t.step_s:.0f}% of the step")
 
 
+def _schedule(lay) -> str:
+    return lay.schedule + (f" v{lay.chunks}" if lay.chunks > 1 else "") if lay.pp > 1 else "no pipeline"
+
+
+# search.simplicity_key's fields, in its order: what each means, and how to show one layout's value.
+SIMPLICITY = (("less model parallelism, tp x pp x cp x ep", lambda lay, v: str(v)),
+              ("fewer parallel axes above 1", lambda lay, v: str(v)),
+              ("less recomputation", lambda lay, v: lay.recompute),
+              ("a lower ZeRO stage", lambda lay, v: f"ZeRO-{v}"),
+              ("a simpler pipeline schedule", lambda lay, v: _schedule(lay)),
+              ("fewer chunks per pipeline rank", lambda lay, v: str(v)),
+              ("the even stage split", lambda lay, v: "uneven" if v else "even"))
+
+
+def _before(a, b, result) -> str:
+    """Why the ranking puts `a` before `b`, both of the top group."""
+    ha = headroom_key(a, result.capacity, result.memory_error)
+    hb = headroom_key(b, result.capacity, result.memory_error)
+    free_a, free_b = (result.capacity - c.memory.peak.total for c in (a, b))
+    if ha != hb:
+        if ha[0] < hb[0]:
+            return (f"more free memory than the memory model's {pct(result.memory_error)} error of its peak "
+                    f"({free_a / GIB:.1f} GiB free, against {free_b / GIB:.1f} GiB that is within it)")
+        return (f"more free memory, both within the memory model's error ({free_a / GIB:.1f} against "
+                f"{free_b / GIB:.1f} GiB)")
+    for (words, show), x, y in zip(SIMPLICITY, simplicity_key(a), simplicity_key(b)):
+        if x != y:
+            return f"{words} ({show(a.layout, x)} against {show(b.layout, y)})"
+    if a.time.tokens_per_s_per_gpu != b.time.tokens_per_s_per_gpu:
+        return "as much headroom, as simple, and the higher prediction"
+    return "the same headroom, simplicity and prediction (the label decides)"
+
+
+def _why_first(result) -> list[str]:
+    best, fastest, n = result.ranked[0], result.fastest, len(result.top_group)
+    band = pct(result.band)
+    if n == 1:
+        out = [f"   Why it is first: the fastest predicted, and no other layout is within the time model's "
+               f"±{band} error of it."]
+        if len(result.ranked) > 1:
+            nxt = result.ranked[1]
+            out.append(f"   Next: {nxt.layout.label()}, {pct(nxt.slower)} slower by the model (its largest other "
+                       f"cost: {_costliest(nxt.time)}).")
+        return out
+    nxt = result.ranked[1]
+    out = [f"   Why it is first: the time model cannot order the {n} layouts within ±{band} of the fastest; "
+           f"against the next, {nxt.layout.label()} (predicted {nxt.time.tokens_per_s_per_gpu:,.0f} tokens/s/GPU), "
+           f"it comes first for {_before(best, nxt, result)}."]
+    if fastest is not best:
+        out.append(f"   The fastest predicted is {fastest.layout.label()} ({fastest.time.tokens_per_s_per_gpu:,.0f} "
+                   f"tokens/s/GPU): a difference within the model's error.")
+    return out
+
+
 def explain(shape, result, gpu, gpus, sequences) -> list[str]:
-    """The winner in the playbook's three steps."""
+    """The first layout in the playbook's three steps."""
     best = result.ranked[0]
     lay, mem, t = best.layout, best.memory.peak, best.time
     states = sum(mem.terms[k] for k in ("params", "grads", "optim"))
@@ -89,43 +175,40 @@ def explain(shape, result, gpu, gpus, sequences) -> list[str]:
            f"3. Maximise throughput: {t.tokens_per_s_per_gpu:,.0f} tokens/s/GPU (MFU {100 * t.mfu:.1f}%); "
            f"compute is {100 * (t.breakdown['compute'] + t.breakdown['recompute']) / t.step_s:.0f}% of the "
            f"{t.step_s:.2f} s step, the largest other cost is {_costliest(t)}.",
-           f"   Why it wins: {_why(best, gpu)}."]
-    if len(result.ranked) > 1:
-        nxt = result.ranked[1]
-        gap = 100 * (1 - nxt.time.tokens_per_s_per_gpu / t.tokens_per_s_per_gpu)
-        if gap < 0.05:
-            out.append(f"   Runner-up: {nxt.layout.label()}, as fast by this model; the simpler layout is "
-                       f"listed first.")
-        else:
-            out.append(f"   Runner-up: {nxt.layout.label()}, {gap:.1f}% slower (its largest other cost: "
-                       f"{_costliest(nxt.time)}).")
+           f"   What it trades: {_trades(best, gpu)}."]
+    out += _why_first(result)
     out += _other_schedules(result)
     return out
 
 
 def _other_schedules(result) -> list[str]:
-    """Why the winner's pipeline schedule: the best layout of the same sizes under each other
-    (schedule, chunks), and the cost where it loses most."""
+    """The first layout's pipeline schedule against the fastest layout of the same sizes under each
+    other (schedule, chunks), and the cost that grows most. One in the top group too is not called
+    slower: the time model cannot tell."""
     best = result.ranked[0]
     lay = best.layout
     if lay.pp == 1:
         return []
-    same = [c for c in result.ranked[1:] if (c.layout.dp, c.layout.tp, c.layout.pp, c.layout.cp)
+    same = [c for c in result.by_time if (c.layout.dp, c.layout.tp, c.layout.pp, c.layout.cp)
             == (lay.dp, lay.tp, lay.pp, lay.cp) and (c.layout.schedule, c.layout.chunks) != (lay.schedule, lay.chunks)]
     seen, out = set(), []
-    for c in same:  # ranked: the first of each schedule is its best
+    for c in same:  # fastest first: the first of each schedule is its best
         key = (c.layout.schedule, c.layout.chunks)
         if key in seen:
             continue
         seen.add(key)
-        gap = 100 * (1 - c.time.tokens_per_s_per_gpu / best.time.tokens_per_s_per_gpu)
         diffs = {k: c.time.breakdown[k] - best.time.breakdown.get(k, 0.0) for k in c.time.breakdown}
         worse = max(diffs, key=diffs.get)
-        name = c.layout.schedule + (f" v{c.layout.chunks}" if c.layout.chunks > 1 else "")
-        out.append(f"   vs {name}: {gap:.1f}% slower ({worse.replace('_', ' ')} +{diffs[worse]:.3f} s per step)")
+        cost = f"{worse.replace('_', ' ')} +{diffs[worse]:.3f} s per step"
+        if c.top_group:
+            verdict = (f"within the time model's error of it (predicted {c.time.tokens_per_s_per_gpu:,.0f} against "
+                       f"{best.time.tokens_per_s_per_gpu:,.0f} tokens/s/GPU; {cost})")
+        else:
+            verdict = f"{pct(c.slower)} slower than the fastest, beyond the model's error ({cost})"
+        out.append(f"   vs {_schedule(c.layout)}: {verdict}")
     if out:
-        sched = lay.schedule + (f" v{lay.chunks}" if lay.chunks > 1 else "")
-        out.insert(0, f"   Pipeline schedule {sched}, against the best of each other schedule at these sizes:")
+        out.insert(0, f"   Pipeline schedule {_schedule(lay)}, against the fastest of each other schedule at these "
+                      f"sizes:")
     return out
 
 

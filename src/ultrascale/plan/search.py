@@ -8,11 +8,14 @@
    what does not fit.
 2. Reach the target global batch: micro_batch x grad_accum x dp sequences,
    with an integer number of accumulation steps.
-3. Maximise throughput: rank what is left by predicted tokens/s/GPU.
+3. Maximise throughput, as far as the time model can tell: the layouts predicted within its own
+   error (error_band) of the fastest form one group it cannot order, ranked by memory headroom, then
+   simplicity; the rest follow by predicted tokens/s/GPU.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from ultrascale.errors import ConfigError
@@ -28,19 +31,39 @@ class Candidate:
     layout: Layout
     memory: MemoryPlan
     time: StepTime | None = None
+    slower: float = 0.0  # predicted shortfall from the fastest layout of the search (a fraction, >= 0)
+    top_group: bool = False  # within the time model's error of the fastest (search.rank)
 
     def as_dict(self) -> dict:
         out = {"layout": self.layout.to_dict(), "label": self.layout.label(), "memory": self.memory.as_dict()}
         if self.time is not None:
             out["time"] = self.time.as_dict()
+            out["rank"] = {"top_group": self.top_group, "slower_than_fastest": self.slower}
         return out
 
 
 @dataclass
 class SearchResult:
-    ranked: list = field(default_factory=list)  # fitting candidates, fastest first
+    ranked: list = field(default_factory=list)  # fitting candidates in the planner's order (rank)
     enumerated: int = 0
     smallest: Candidate | None = None  # the smallest per-GPU footprint seen (fitting or not)
+    band: float = 0.0  # the time model's error (error_band): the top group's width
+    memory_error: float = 0.0  # the memory model's (memory_error): headroom below it counts as tight
+    capacity: float = 0.0  # bytes per GPU
+
+    @property
+    def top_group(self) -> list:
+        """The layouts the time model cannot order: the head of `ranked`."""
+        return [c for c in self.ranked if c.top_group]
+
+    @property
+    def by_time(self) -> list:
+        """The fitting candidates fastest predicted first (exact ties: the simpler first)."""
+        return sorted(self.ranked, key=time_key)
+
+    @property
+    def fastest(self) -> Candidate | None:
+        return min(self.ranked, key=time_key) if self.ranked else None
 
 
 def divisors(n: int) -> list[int]:
@@ -138,30 +161,71 @@ def _variants(shape, base, fixed, allowed):
 
 
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
-TIE = 0.01  # throughputs within 1% are below what the time model can tell apart
+# Simpler first: one pipeline pass per micro-batch, then chunks (more point-to-point sends), then
+# the split backward (B and W apart), then the bidirectional V.
+SCHEDULE_ORDER = {"afab": 0, "1f1b": 0, "interleaved": 1, "zero-bubble": 2, "dualpipev": 3}
 
 
-def _simplicity(c: Candidate):
-    """Fewer context / pipeline / tensor / expert ranks, fewer chunks, a lower ZeRO stage, less
-    recomputation first."""
+@functools.cache
+def error_band() -> float:
+    """The time model's error: the largest |predicted / published - 1| over the published throughput
+    rows of plan/published.py, each planned with the framework and cluster it ran on (the `own` column
+    of `ultrascale plan published`). A ranking compares layouts under one framework and cluster, so
+    that column is the model's error for it; the tests hold every row within published.TOLERANCE."""
+    from ultrascale.plan.published import table
+
+    return max(abs(row["own_ratio"] - 1) for row in table())
+
+
+@functools.cache
+def memory_error() -> float:
+    """The memory model's error: the median |predicted - measured| / measured peak over the playbook's
+    finished runs (`ultrascale plan validate`). Headroom differences below it are not told apart."""
+    from ultrascale.plan.validate import load_rows, validate
+
+    return validate(load_rows()[0])["median_memory_error"]
+
+
+def simplicity_key(c: Candidate):
+    """Simpler first: less model parallelism (tp·pp·cp·ep, the ranks one replica spans: a count of axes
+    alone would call cp64 as simple as dp64), fewer parallel axes above 1 (dp, tp, pp, cp, ep), less
+    recomputation (its cost is arithmetic, one more forward pass for full: a third more compute, not
+    a guess of the model), a lower ZeRO stage, a simpler pipeline schedule with fewer chunks, the even stage split."""
     lay = c.layout
-    return (lay.cp, lay.pp, lay.tp, lay.ep, lay.chunks, lay.zero, RECOMPUTE_ORDER[lay.recompute],
-            -c.time.tokens_per_s_per_gpu)
+    axes = sum(n > 1 for n in (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep))
+    uneven = bool(lay.first_stage_layers or lay.last_stage_layers)
+    return (lay.tp * lay.pp * lay.cp * lay.ep, axes, RECOMPUTE_ORDER[lay.recompute], lay.zero,
+            SCHEDULE_ORDER[lay.schedule], lay.chunks, uneven)
 
 
-def rank(cands: list) -> list:
-    """Fastest first; within a run of candidates less than TIE slower than the run's fastest,
-    the simplest first."""
-    cands = sorted(cands, key=lambda c: -c.time.tokens_per_s_per_gpu)
-    out, i = [], 0
-    while i < len(cands):
-        head = cands[i].time.tokens_per_s_per_gpu
-        j = i
-        while j < len(cands) and cands[j].time.tokens_per_s_per_gpu >= head * (1 - TIE):
-            j += 1
-        out += sorted(cands[i:j], key=_simplicity)
-        i = j
-    return out
+def time_key(c: Candidate):
+    """Fastest predicted first; an exact tie goes to the simpler layout (then the label, for a fixed order)."""
+    return (-c.time.tokens_per_s_per_gpu, simplicity_key(c), c.layout.label())
+
+
+def headroom_key(c: Candidate, capacity: float, mem_error: float):
+    """Layouts whose free memory exceeds the memory model's error (peak x mem_error) first, all alike;
+    then the tighter ones, more free memory first: a GiB more headroom than the model can vouch for
+    buys nothing, a GiB less may be an out-of-memory error."""
+    free = capacity - c.memory.peak.total
+    return (0, 0.0) if free >= mem_error * c.memory.peak.total else (1, -free)
+
+
+def rank(cands: list, capacity: float, band: float, mem_error: float) -> list:
+    """The planner's order. The layouts predicted within `band` (a fraction) of the fastest form the top
+    group, which the time model cannot order: memory headroom first (see headroom_key), then simplicity,
+    then the predicted speed. After the group, strictly by predicted throughput. Marks each candidate
+    with `slower` (its predicted shortfall from the fastest, >= 0) and `top_group`."""
+    by_time = sorted(cands, key=time_key)
+    if not by_time:
+        return []
+    fastest = by_time[0].time.tokens_per_s_per_gpu
+    for c in by_time:
+        c.slower = 1 - c.time.tokens_per_s_per_gpu / fastest
+        c.top_group = c.slower <= band
+    group = sorted((c for c in by_time if c.top_group),
+                   key=lambda c: (headroom_key(c, capacity, mem_error), simplicity_key(c), time_key(c)))
+    return group + [c for c in by_time if not c.top_group]
 
 
 def search(shape, gpus: int, gpu, fw, seq_len: int, global_batch_tokens: int, precision: str = "bf16",
@@ -178,7 +242,8 @@ def search(shape, gpus: int, gpu, fw, seq_len: int, global_batch_tokens: int, pr
         if result.ranked:
             break
     if with_time:
-        result.ranked = rank(result.ranked)
+        result.band, result.memory_error, result.capacity = error_band(), memory_error(), gpu.memory_bytes
+        result.ranked = rank(result.ranked, gpu.memory_bytes, result.band, result.memory_error)
     if result.enumerated == 0:
         pins = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items() if v is not None)
         raise ConfigError(f"no layout of {gpus} GPUs reaches a batch of {sequences} sequences"
