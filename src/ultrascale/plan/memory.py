@@ -36,7 +36,8 @@ from ultrascale.plan.bubble import held_per_chunk, in_flight
 from ultrascale.plan.calibration import GIB, Framework
 from ultrascale.plan.precision import ENGINE_PRECISION, get_precision
 from ultrascale.parallel.pipeline.partition import v_shaped
-from ultrascale.plan.states import chunk_layers, engine_states, model_states, rank_params, stage_layer_ids
+from ultrascale.plan.states import (block_counts, chunk_dense_layers, chunk_layers, engine_states, model_states,
+                                    rank_params, stage_layer_ids)
 
 TERMS = ("params", "grads", "optim", "activations", "logits", "transient", "comm_buffers", "overhead")
 DYNAMIC = ("activations", "logits", "transient", "comm_buffers")
@@ -80,7 +81,8 @@ def activation_spec(lay, fw: Framework) -> act.ActivationSpec:
     return act.ActivationSpec(act_bytes=get_precision(lay.precision).act_bytes, tp=lay.tp, sp=lay.sp_on, cp=lay.cp,
                               ep=lay.ep, recompute=lay.recompute, cp_attention=lay.cp_attention, kernels=fw.kernels,
                               sp_keeps_gathered_input=fw.sp_keeps_gathered_input, attention=fw.attention,
-                              dropout=fw.dropout, fused_swiglu=fw.fused_swiglu, seq_len=lay.seq_len)
+                              dropout=fw.dropout, fused_swiglu=fw.fused_swiglu, seq_len=lay.seq_len,
+                              fp8_cache=fw.fp8_cache, recompute_norms=fw.recompute_norms)
 
 
 def _engine_exact(shape, lay, fw) -> bool:
@@ -104,7 +106,7 @@ def _states(shape, lay, fw, stage):
 
 def _device_states(shape, lay, fw, stage):
     prec = get_precision(lay.precision)
-    blocks = (len(stage[0]), stage[1], stage[2])
+    blocks = block_counts(shape, stage)
     if _engine_exact(shape, lay, fw):
         # Our engine: replay its parameter shards, buckets and padding; every rank, keep the largest.
         # Gradients and ZeRO shards live on the dp x cp ranks (the dp_cp group).
@@ -157,14 +159,16 @@ def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
     tokens = lay.micro_batch * lay.seq_len
     layer = act.layer_bytes(shape, spec, tokens)
     layer_none = act.layer_bytes(shape, spec, tokens, recompute="none")
+    # An MoE model's leading dense blocks (a dense model's blocks are all "dense": the same figure).
+    layer_dense = act.layer_bytes(shape, spec, tokens, moe=False) if shape.is_moe and shape.dense_layers else layer
     plan = MemoryPlan()
     cache = {}  # stages holding as many blocks share their states and buffers (by formula)
     exact = _engine_exact(shape, lay, fw)
     split = (fw.partition, lay.chunks, lay.first_stage_layers, lay.last_stage_layers)
     vshape = v_shaped(lay.schedule)  # DualPipeV: rank 0 holds the first and the last chunk
     for stage, ids in enumerate(stage_layer_ids(shape, lay.pp, *split, vshape)):
-        blocks = (len(ids[0]), ids[1], ids[2])
-        n_layers, first, last = blocks
+        blocks = block_counts(shape, ids)
+        n_layers, first, last, _ = blocks
         key = ids if exact else blocks
         if key not in cache:
             states = _states(shape, lay, fw, ids)
@@ -177,7 +181,10 @@ def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
         # The chunks' block counts come from the same split as the states (no second rule to drift).
         sizes = chunk_layers(shape, lay.pp, lay.chunks, stage, fw.partition, lay.first_stage_layers,
                              lay.last_stage_layers, vshape)
-        per_chunk = [n * layer + act.rope_bytes(shape, spec, lay.seq_len) for n in sizes]
+        dense = chunk_dense_layers(shape, lay.pp, lay.chunks, stage, fw.partition, lay.first_stage_layers,
+                                   lay.last_stage_layers, vshape)
+        per_chunk = [(n - d) * layer + d * layer_dense + act.rope_bytes(shape, spec, lay.seq_len)
+                     for n, d in zip(sizes, dense)]
         if first:
             per_chunk[0] += act.embedding_bytes(tokens, spec)
         if last:
