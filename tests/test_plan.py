@@ -17,7 +17,7 @@ from ultrascale.plan import published
 from ultrascale.plan.hardware import Link, get_cluster
 from ultrascale.plan.layout import Layout
 from ultrascale.plan.memory import memory_plan
-from ultrascale.plan.shape import from_model_config, get_shape
+from ultrascale.plan.shape import MOE_PRESETS, from_model_config, get_shape
 from ultrascale.plan.time import ring_time, step_time
 
 LLAMA3_8B = 8_030_261_248  # Meta's published count for Llama 3 8B
@@ -49,7 +49,9 @@ def test_parameter_list_is_the_modules(overrides):
 
 def test_counts_match_the_model_and_llama3_8b():
     for name, cfg in PRESETS.items():
-        assert get_shape(name).count() == count_params(cfg), name
+        assert from_model_config(cfg).count() == count_params(cfg), name
+        if name not in MOE_PRESETS:  # the planner's own shapes of trained MoE models: tests/test_plan_moe.py
+            assert get_shape(name).count() == count_params(cfg), name
     assert get_shape("llama3-8b").count() == LLAMA3_8B
 
 

@@ -27,10 +27,13 @@ def test_each_published_memory_figure_is_planned_within_tolerance(run):
 def test_a_layout_that_trained_is_not_refused(run):
     needed, card = pm.plan_gib(run)
     assert needed <= card, (run.name, round(needed, 1), card, run.source)
-    # The same layout with ZeRO-1 (fp32 gradients unsharded on every rank) is refused: the fit is not
-    # a matter of a generous model.
-    zero1 = dataclasses.replace(run, layout={**run.layout, "zero": 1})
-    assert pm.plan_gib(zero1)[0] > card
+
+
+def test_the_fit_is_not_a_generous_model():
+    # Llama 3 405B's layout with ZeRO-1 (fp32 gradients unsharded on every rank) is refused.
+    run = next(r for r in pm.RUNS if r.model == "llama3-405b" and r.kind == "fits")
+    needed, card = pm.plan_gib(dataclasses.replace(run, layout={**run.layout, "zero": 1}))
+    assert needed > card
 
 
 def _ratios(monkeypatch, framework, **facts):

@@ -62,6 +62,14 @@ class Framework:
     # What --recompute selective keeps: "attention" (Megatron: all but the attention core) or "op"
     # (torchtitan's op-level policy; activations.op_policy_terms).
     selective: str = "attention"
+    # Expert-parallel groups take consecutive ranks and fill nodes (Megatron-Core's rank order
+    # tp-cp-ep-dp-pp, torchtitan's pp-outermost mesh, DeepSeek-V3's EP64 over 8 nodes); False: our
+    # engine's grid, where an expert group's dp ranks lie pp·cp·tp apart (plan/time.py, expert_ranks).
+    ep_fills_nodes: bool = True
+    # DeepSeek-V3's activation storage (plan/activations.py, _deepseek_terms): linears' inputs kept in FP8,
+    # and RMSNorm outputs and MLA's up-projections recomputed in backward.
+    fp8_cache: bool = False
+    recompute_norms: bool = False
 
 
 FRAMEWORKS = {
@@ -72,7 +80,7 @@ FRAMEWORKS = {
         # plan/data/cpu_runs.json): a collective's ring step costs milliseconds on gloo, as its
         # all-gather and reduce-scatter run. Not yet measured on a GPU.
         mfu=0.734, layer_overhead_s=0.00297, microbatch_overhead_s=0.0,
-        collective_step_s=0.00238, zero3_with_ep=False,
+        collective_step_s=0.00238, zero3_with_ep=False, ep_fills_nodes=False,
         help="our engine: eager kernels; memory exact on CPU, time fitted on its CPU runs"),
     "playbook": Framework(
         "playbook", kernels="fused", sp_keeps_gathered_input=False, partition="compute",
@@ -97,6 +105,15 @@ FRAMEWORKS = {
         context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.43, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
         collective_step_s=20e-6, help="torchtitan: FSDP2 + TP + PP, compiled blocks, float8 linears",
         float8=True, zero3_reshards_in_pipeline=False, selective="op"),
+    # DeepSeek's HAI-LLM as the DeepSeek-V3 report describes it (arXiv 2412.19437, section 3): FP8 linears
+    # (3.3), activations kept in FP8 and norms / MLA up-projections recomputed (3.2.3, 3.3.3), no dropout, expert
+    # groups filling nodes (3.2). Its time constants are Megatron's: none is fitted on DeepSeek's runs.
+    "deepseek": Framework(
+        "deepseek", kernels="fused", sp_keeps_gathered_input=False, partition="even",
+        context_bytes=1.0 * GIB, fragmentation=0.20, mfu=0.70, layer_overhead_s=1e-3, microbatch_overhead_s=0.01,
+        collective_step_s=20e-6, help="DeepSeek-V3's training: FP8 linears and activations, norms and MLA "
+                                      "up-projections recomputed (Megatron's time constants)",
+        float8=True, fp8_cache=True, recompute_norms=True),
 }
 
 

@@ -83,6 +83,11 @@ def _common(p, search: bool) -> None:
     p.add_argument("--cluster", default=None, help="where the GPUs sit (hardware.py): playbook (the playbook's H100 "
                                                    "cluster, its per-node-pair cost), grand-teton, llama3, jean-zay, "
                                                    "or a GPU's generic nodes (default: those of --gpu)")
+    # Any cluster's links, set (hardware.with_bandwidths): GB/s per GPU and direction, as a collective achieves them.
+    p.add_argument("--nvlink-gbs", type=float, default=None, metavar="GB/s",
+                   help="bandwidth inside a node, per GPU and direction (H100 NVLink: 360, H800: 160)")
+    p.add_argument("--ib-gbs", type=float, default=None, metavar="GB/s",
+                   help="bandwidth between nodes, per GPU and direction (400 Gb/s InfiniBand: 40)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument(*_names("--precision"), dest="precision", default="bf16", help="fp32, bf16 (default), bf16-fp32-grads, bf16-fp32-accum")
     p.add_argument("--framework", default=None, help="megatron (default), torchtitan, playbook (nanotron, "
@@ -174,7 +179,9 @@ def _context(args):
     from ultrascale.plan.precision import get_precision
 
     get_precision(args.precision)
-    cluster, fw = get_cluster(args.cluster, args.gpu), framework_of(args)
+    from ultrascale.plan.hardware import with_bandwidths
+
+    cluster, fw = with_bandwidths(get_cluster(args.cluster, args.gpu), args.nvlink_gbs, args.ib_gbs), framework_of(args)
     if fw.float8 and "fp8" not in cluster.peak_flops:
         raise ConfigError(f"framework {fw.name} plans float8 linears, which the {cluster.gpu.name} has no FP8 tensor "
                           f"cores for: add --no-float8")

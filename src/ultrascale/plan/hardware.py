@@ -1,4 +1,5 @@
-"""The hardware table: GPUs, and the clusters they sit in. Edit it to plan for another machine.
+"""The hardware table: GPUs, and the clusters they sit in. Edit it to plan for another machine, or
+set any cluster's link bandwidths from the command line (--nvlink-gbs, --ib-gbs: with_bandwidths).
 
 A GPU is the chip (vendor data sheets, dense, no sparsity); a cluster is where
 the GPUs sit: how many per node, the links inside a node and between nodes,
@@ -98,6 +99,10 @@ class Cluster:
 
 NVLINK4 = Link("NVLink 4 (NVSwitch)", 360e9, 5e-6)  # 450 GB/s per direction; ~360 GB/s bus bandwidth in NCCL
 NVLINK3 = Link("NVLink 3 (NVSwitch)", 230e9, 5e-6)  # 300 GB/s per direction
+# The H800's NVLink: 400 GB/s both directions, 200 per direction (the H100's 900 cut for export); DeepSeek
+# measure 160 GB/s per GPU on it (DeepSeek-V3, arXiv 2412.19437, section 3.2.2), the same 0.8 of the line
+# rate as NVLINK4's 360 of 450.
+NVLINK_H800 = Link("NVLink (H800, 400 GB/s bidirectional)", 160e9, 5e-6)
 IB_NDR = Link("InfiniBand NDR 400 Gb/s per GPU", 40e9, 10e-6)  # 50 GB/s line rate
 IB_HDR = Link("InfiniBand HDR 200 Gb/s per GPU", 20e9, 10e-6)  # 25 GB/s line rate
 ROCE_400 = Link("RoCE 400 Gb/s per GPU", 40e9, 10e-6)  # Meta's RDMA fabric (Llama 3 paper, section 3.3.1)
@@ -112,6 +117,7 @@ OMNIPATH_4X100 = Link("Omni-Path 4 x 100 Gb/s per node of 8", 5e9, 10e-6)
 HOSTS = {
     "h100-80gb": Host("DGX H100 host (PCIe Gen5, DDR5, NVMe)", 50e9, 0.6 * 614e9 / 8, 3.5e9),
     "h200": Host("DGX H200 host (PCIe Gen5, DDR5, NVMe)", 50e9, 0.6 * 614e9 / 8, 3.5e9),
+    "h800": Host("HGX H800 host (PCIe Gen5, DDR5, NVMe)", 50e9, 0.6 * 614e9 / 8, 3.5e9),
     "h100-96gb-hbm2e": Host("Grand Teton host (PCIe Gen5, DDR5, NVMe)", 50e9, 0.6 * 614e9 / 8, 3.5e9),
     "a100-80gb": Host("DGX A100 host (PCIe Gen4, DDR4, NVMe)", 25e9, 0.6 * 410e9 / 8, 4 * 3e9 / 8),
     "a100-40gb": Host("DGX A100 host (PCIe Gen4, DDR4, NVMe)", 25e9, 0.6 * 410e9 / 8, 4 * 3e9 / 8),
@@ -124,6 +130,8 @@ HOSTS = {
 GPUS = {
     "h100-80gb": GPU("h100-80gb", 79.19 * GIB, {"bf16": 989.5e12, "fp32": 494.7e12, "fp8": 1979e12}, 3.35e12),
     "h200": GPU("h200", 139.8 * GIB, {"bf16": 989.5e12, "fp32": 494.7e12, "fp8": 1979e12}, 4.8e12),
+    # H800 SXM: the H100 SXM's chip, memory and tensor-core peaks; only its NVLink differs (NVLINK_H800).
+    "h800": GPU("h800", 79.19 * GIB, {"bf16": 989.5e12, "fp32": 494.7e12, "fp8": 1979e12}, 3.35e12),
     "a100-80gb": GPU("a100-80gb", 79.15 * GIB, {"bf16": 312e12, "fp32": 156e12}, 2.04e12),
     "a100-40gb": GPU("a100-40gb", 39.39 * GIB, {"bf16": 312e12, "fp32": 156e12}, 1.56e12),
     # Meta's Grand Teton H100: 96 GB of HBM2e at 2.4 TB/s, run at 500 W (torchtitan's docs/performance.md).
@@ -149,6 +157,7 @@ CLUSTERS = {
     # Generic nodes of 8 as the vendor builds them (DGX / HGX, one NIC per GPU): what --gpu picks.
     "h100-80gb": _dgx("h100-80gb", NVLINK4, IB_NDR),
     "h200": _dgx("h200", NVLINK4, IB_NDR),
+    "h800": _dgx("h800", NVLINK_H800, IB_NDR),
     "a100-80gb": _dgx("a100-80gb", NVLINK3, IB_HDR),
     "a100-40gb": _dgx("a100-40gb", NVLINK3, IB_HDR),
     # The playbook's H100 cluster, whose runs the time model is validated on: its links are the
@@ -161,6 +170,11 @@ CLUSTERS = {
                                 "(torchtitan's published runs)"),
     "llama3": Cluster("llama3", GPUS["h100-80gb"], NVLINK4, ROCE_400,
                       help="Llama 3's training cluster: Grand Teton with H100 80GB at 700 W, RoCE 400 Gb/s per GPU"),
+    # DeepSeek-V3's: 2,048 H800 in nodes of 8 on NVLink/NVSwitch, InfiniBand between nodes (section 3.1), at
+    # 50 GB/s per GPU (400 Gb/s, section 3.2.2): the generic H800 nodes, named for the run.
+    "deepseek": Cluster("deepseek", GPUS["h800"], NVLINK_H800, IB_NDR,
+                        help="DeepSeek-V3's H800 cluster: 8 per node, NVLink 160 GB/s, InfiniBand 400 Gb/s per GPU "
+                             "(arXiv 2412.19437, sections 3.1, 3.2.2)"),
     "jean-zay": Cluster("jean-zay", GPUS["a100-80gb"], NVLINK3, OMNIPATH_4X100,
                         help="Jean Zay's A100 partition: 8 A100 80GB per node, 4 x 100 Gb/s Omni-Path "
                              "(BLOOM-176B's)"),
@@ -196,4 +210,25 @@ def get_cluster(name: str | None = None, gpu: str | None = None) -> Cluster:
     if gpu is not None and gpu != cluster.gpu.name:
         raise ConfigError(f"--gpu {gpu} but cluster {name} has {cluster.gpu.name}: drop --gpu, or pick the cluster "
                           f"of that GPU")
+    return cluster
+
+
+def with_bandwidths(cluster: Cluster, nvlink_gbs: float | None = None, ib_gbs: float | None = None) -> Cluster:
+    """The cluster with its links' bandwidths set (GB/s per GPU and direction, as a collective
+    achieves them: NCCL's bus bandwidth), for a machine the table does not hold (--nvlink-gbs, --ib-gbs)."""
+    import math
+    from dataclasses import replace
+
+    said = []
+    for flag, value, field in (("--nvlink-gbs", nvlink_gbs, "intra"), ("--ib-gbs", ib_gbs, "inter")):
+        if value is None:
+            continue
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} must be a positive number of GB/s per GPU and direction (e.g. 160 for the "
+                              f"H800's NVLink, 40 for 400 Gb/s InfiniBand), got {value}")
+        link = getattr(cluster, field)
+        cluster = replace(cluster, **{field: Link(f"{link.name} at {value:g} GB/s", value * 1e9, link.latency)})
+        said.append(f"{flag} {value:g}")
+    if said:
+        cluster = replace(cluster, help=f"{cluster.help}; {', '.join(said)}")
     return cluster

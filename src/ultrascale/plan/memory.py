@@ -37,7 +37,8 @@ from ultrascale.plan.bubble import held_per_chunk, in_flight
 from ultrascale.plan.calibration import GIB, Framework
 from ultrascale.plan.precision import ENGINE_PRECISION, get_precision
 from ultrascale.parallel.pipeline.partition import v_shaped
-from ultrascale.plan.states import chunk_layers, engine_states, model_states, rank_params, stage_layer_ids
+from ultrascale.plan.states import (block_counts, chunk_dense_layers, chunk_layers, engine_states, model_states,
+                                    rank_params, stage_layer_ids)
 
 TERMS = ("params", "grads", "optim", "activations", "logits", "transient", "comm_buffers", "overhead")
 DYNAMIC = ("activations", "logits", "transient", "comm_buffers")
@@ -92,7 +93,7 @@ def activation_spec(lay, fw: Framework, shape=None) -> act.ActivationSpec:
                               ep=lay.ep, recompute=lay.recompute, cp_attention=lay.cp_attention, kernels=fw.kernels,
                               sp_keeps_gathered_input=fw.sp_keeps_gathered_input, attention=fw.attention,
                               dropout=dropout, fused_swiglu=fw.fused_swiglu, seq_len=lay.seq_len,
-                              selective=fw.selective)
+                              selective=fw.selective, fp8_cache=fw.fp8_cache, recompute_norms=fw.recompute_norms)
 
 
 def _engine_exact(shape, lay, fw) -> bool:
@@ -116,7 +117,7 @@ def _states(shape, lay, fw, stage):
 
 def _device_states(shape, lay, fw, stage):
     prec = get_precision(lay.precision)
-    blocks = (len(stage[0]), stage[1], stage[2])
+    blocks = block_counts(shape, stage)
     if _engine_exact(shape, lay, fw):
         # Our engine: replay its parameter shards, buckets and padding; every rank, keep the largest.
         # Gradients and ZeRO shards live on the dp x cp ranks (the dp_cp group).
@@ -164,13 +165,14 @@ def _comm_buffers(shape, lay, spec, tokens, states) -> float:
 
 
 def _deferred_w_bytes(shape, lay, spec, tokens, n_layers, stage) -> float:
-    """Zero-bubble schedules (ZB-H1, DualPipeV) split each backward into B (input gradients) and W
-    (weight gradients) and defer W to fill the bubble. A deferred W needs the gradient of every
-    linear's output, held from B to W (its inputs are the saved activations, counted already): per
-    token of a micro-batch, the gradients of q, k, v, o, and the MLP's outputs. Stage i ends its
-    warm-up with min(p - 1 - i, m) of them pending (ZB-H1's cool-down fills its p - 1 - i idle
-    slots with W passes; Qi et al. 2023, figure 3); DualPipeV is given the same count."""
-    if lay.pp == 1 or lay.schedule not in ("zero-bubble", "dualpipev") or not n_layers:
+    """ZB-H1 splits each backward into B (input gradients) and W (weight gradients) and defers W to
+    fill the bubble. A deferred W needs the gradient of every linear's output, held from B to W (its
+    inputs are the saved activations, counted already): per token of a micro-batch, the gradients of
+    q, k, v, o, and the MLP's outputs. Stage i ends its warm-up with min(p - 1 - i, m) of them
+    pending (ZB-H1's cool-down fills its p - 1 - i idle slots with W passes; Qi et al. 2023,
+    figure 3). DualPipeV defers W only in its last phase, within the p + 1 micro-batches of
+    activations its in-flight count already holds (DeepSeek-V3 report, Table 2): nothing is added."""
+    if lay.pp == 1 or lay.schedule != "zero-bubble" or not n_layers:
         return 0.0
     h, kv, b = shape.hidden, shape.kv_dim, spec.act_bytes
     f = shape.expert_ffn * shape.top_k if shape.is_moe else shape.ffn_hidden
@@ -186,14 +188,16 @@ def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
     tokens = lay.micro_batch * lay.seq_len
     layer = act.layer_bytes(shape, spec, tokens)
     layer_none = act.layer_bytes(shape, spec, tokens, recompute="none")
+    # An MoE model's leading dense blocks (a dense model's blocks are all "dense": the same figure).
+    layer_dense = act.layer_bytes(shape, spec, tokens, moe=False) if shape.is_moe and shape.dense_layers else layer
     plan = MemoryPlan()
     cache = {}  # stages holding as many blocks share their states and buffers (by formula)
     exact = _engine_exact(shape, lay, fw)
     split = (fw.partition, lay.chunks, lay.first_stage_layers, lay.last_stage_layers)
     vshape = v_shaped(lay.schedule)  # DualPipeV: rank 0 holds the first and the last chunk
     for stage, ids in enumerate(stage_layer_ids(shape, lay.pp, *split, vshape)):
-        blocks = (len(ids[0]), ids[1], ids[2])
-        n_layers, first, last = blocks
+        blocks = block_counts(shape, ids)
+        n_layers, first, last, _ = blocks
         key = ids if exact else blocks
         if key not in cache:
             states = _states(shape, lay, fw, ids)
@@ -206,7 +210,10 @@ def memory_plan(shape, lay, fw: Framework) -> MemoryPlan:
         # The chunks' block counts come from the same split as the states (no second rule to drift).
         sizes = chunk_layers(shape, lay.pp, lay.chunks, stage, fw.partition, lay.first_stage_layers,
                              lay.last_stage_layers, vshape)
-        per_chunk = [n * layer + act.rope_bytes(shape, spec, lay.seq_len) for n in sizes]
+        dense = chunk_dense_layers(shape, lay.pp, lay.chunks, stage, fw.partition, lay.first_stage_layers,
+                                   lay.last_stage_layers, vshape)
+        per_chunk = [(n - d) * layer + d * layer_dense + act.rope_bytes(shape, spec, lay.seq_len)
+                     for n, d in zip(sizes, dense)]
         if first:
             per_chunk[0] += act.embedding_bytes(tokens, spec)
         if last:

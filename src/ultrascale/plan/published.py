@@ -111,6 +111,17 @@ RUNS = [
         dict(dp=8, tp=8, pp=8, zero=3, micro_batch=1, grad_accum=32, seq_len=8192, recompute="full",
              schedule="interleaved", chunks=2, precision="bf16-fp32-grads"),
         128, "tokens_per_s_per_gpu", "torchtitan docs/performance.md, Table 5: interleaved 1F1B, 128 TPS/GPU"),
+    # DeepSeek-V3 (arXiv 2412.19437): 2,048 H800 (3.1); 16-way pipeline (DualPipe), 64-way experts over 8 nodes,
+    # ZeRO-1 data parallelism, no tensor parallelism (3.2); FP8 (3.3); sequences of 4K, batches of 15,360 after the
+    # first 469B tokens (4.2); "180K H800 GPU hours" per trillion tokens (abstract, 1): 1e12 / (180e3 x 3600) =
+    # 1,543 tokens/s per GPU. Planned as DualPipeV (one copy of the weights) with micro-batches of one sequence;
+    # its multi-token-prediction module is not planned.
+    PublishedRun(
+        "DeepSeek-V3 on 2,048 H800", "deepseek-v3", "h800", "deepseek", "deepseek",
+        dict(dp=128, pp=16, ep=64, zero=1, micro_batch=1, grad_accum=120, seq_len=4096, schedule="dualpipev",
+             chunks=2, precision="bf16-fp32-grads"),
+        1e12 / (180e3 * 3600), "tokens_per_s_per_gpu",
+        "DeepSeek-V3 report (arXiv 2412.19437), sections 1 and 3: 180K H800 GPU hours per trillion tokens"),
 ]
 
 

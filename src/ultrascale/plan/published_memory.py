@@ -99,6 +99,13 @@ RUNS = [
               dict(tp=8, pp=16, dp=128, zero=2, micro_batch=1, grad_accum=16, seq_len=8192, schedule="interleaved",
                    chunks=4, first_stage_layers=1, last_stage_layers=1, precision="bf16-fp32-grads"),
               "fits", 0.0, "Llama 3 paper (arXiv 2407.21783), section 3.3.2 and Table 4"),
+    # DeepSeek-V3 report (arXiv 2412.19437), section 3.1-3.2: 2,048 H800, 16-way pipeline (DualPipe),
+    # 64-way expert parallelism over 8 nodes, ZeRO-1 data parallelism, no tensor parallelism; sequences
+    # of 4K. Planned with DeepSeek's storage (activations in FP8, norms and MLA up-projections recomputed).
+    MemoryRun("DeepSeek-V3 on 2,048 H800", "deepseek-v3", "deepseek", "deepseek",
+              dict(dp=128, pp=16, ep=64, zero=1, schedule="dualpipev", chunks=2, micro_batch=1, grad_accum=120, seq_len=4096,
+                   precision="bf16-fp32-grads"),
+              "fits", 0.0, "DeepSeek-V3 report (arXiv 2412.19437), sections 3.1 and 3.2"),
     # Our engine on one H100 80GB HBM3 (docs/benchmarks.md, "On a GPU"): the JSONL's allocator peak of
     # `ultrascale train --model smollm-135m --device cuda --steps 2 --seq-len 1024 --micro-batch 4`.
     *[MemoryRun(f"ultrascale smollm-135m {dtype} on 1 H100", "smollm-135m", "h100-80gb", "ultrascale",

@@ -66,27 +66,42 @@ def chunk_layers(shape, pp: int, chunks: int, rank: int, partition: str = "even"
     return [len(ids) for ids in rank_chunks(stages, rank, pp, chunks, vshape)]
 
 
+def block_counts(shape, stage) -> tuple[int, bool, bool, int]:
+    """(blocks, holds the embedding, holds the head, how many of the blocks are dense) of a
+    stage_layer_ids entry: an MoE model's leading dense blocks sit on the first stage."""
+    ids, embed, head = stage
+    if not shape.is_moe or not shape.dense_layers:
+        return len(ids), embed, head, 0 if shape.is_moe else len(ids)
+    return len(ids), embed, head, sum(i < shape.dense_layers for i in ids)
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_dense_layers(shape, pp: int, chunks: int, rank: int, partition: str = "even", first: int = 0,
+                       last: int = 0, vshape: bool = False) -> tuple[int, ...]:
+    """Dense blocks in each of rank's chunks (an MoE model's leading dense blocks; all of a dense model's)."""
+    stages = _split(shape, pp, partition, chunks, first, last)
+    return tuple(block_counts(shape, (ids, False, False))[3] for ids in rank_chunks(stages, rank, pp, chunks, vshape))
+
+
 @functools.lru_cache(maxsize=1024)
 def stage_blocks(shape, pp: int, partition: str = "even", chunks: int = 1, first: int = 0,
-                 last: int = 0, vshape: bool = False) -> tuple[tuple[int, bool, bool], ...]:
-    """(number of blocks, holds the embedding, holds the head) for each pipeline rank."""
-    return tuple((len(ids), e, h) for ids, e, h in stage_layer_ids(shape, pp, partition, chunks, first, last, vshape))
+                 last: int = 0, vshape: bool = False) -> tuple[tuple[int, bool, bool, int], ...]:
+    """(number of blocks, holds the embedding, holds the head, dense blocks) for each pipeline rank."""
+    return tuple(block_counts(shape, s) for s in stage_layer_ids(shape, pp, partition, chunks, first, last, vshape))
 
 
-def stage_params(shape, lay, blocks: tuple[int, bool, bool]) -> tuple[float, float]:
-    """(dense, expert) parameters held by one rank of a pipeline stage holding `blocks`."""
-    tp = lay.tp
-    h = shape.hidden
-    n_layers, has_embed, has_head = blocks
-    attn = shape.attn_params() / tp + (h if shape.bias else 0) * (1 - 1 / tp)  # o_proj bias is replicated
-    norms = 2 * shape.norm_params()
-    dense_layer, expert_layer = attn + norms, 0.0
-    if shape.is_moe:
-        dense_layer += shape.experts * h + shape.shared_params() / tp  # the router, replicated; a shared expert
-        expert_layer = shape.experts // lay.ep * shape.expert_params() / tp
-    else:
-        dense_layer += shape.expert_params() / tp + (h if shape.bias else 0) * (1 - 1 / tp)
-    dense = n_layers * dense_layer
+def stage_params(shape, lay, blocks: tuple[int, bool, bool, int]) -> tuple[float, float]:
+    """(dense, expert) parameters held by one rank of a pipeline stage holding `blocks` (block_counts):
+    expert parameters are what expert parallelism shards (experts / ep on each rank, then ZeRO over the
+    dp·cp / ep ranks holding the same experts); everything else is dense, sharded by tp where its
+    matrices are (norms, row-parallel biases, MLA's latents and the router are replicated)."""
+    tp, h = lay.tp, shape.hidden
+    n_layers, has_embed, has_head, n_dense = blocks
+    common = shape.attn_params(tp) + 2 * shape.norm_params()
+    dense = n_dense * (common + shape.mlp_params(tp))
+    n_moe = n_layers - n_dense
+    dense += n_moe * (common + shape.router_params() + shape.shared_params(tp))
+    expert = n_moe * (shape.experts // lay.ep) * shape.expert_params(tp) if n_moe else 0
     vocab_rows = padded_vocab(shape, tp) // tp
     if has_embed:
         dense += vocab_rows * h
@@ -94,12 +109,12 @@ def stage_params(shape, lay, blocks: tuple[int, bool, bool]) -> tuple[float, flo
         dense += shape.norm_params()
         if not shape.tie_embeddings or not has_embed:
             dense += vocab_rows * h
-    return dense, n_layers * expert_layer
+    return dense, expert
 
 
 def model_states(shape, lay, prec: Precision, blocks=None) -> dict:
     """{"params", "grads", "optim"} bytes of one rank of a stage holding `blocks` (the closed forms above)."""
-    dense, expert = stage_params(shape, lay, blocks or (shape.layers, True, True))
+    dense, expert = stage_params(shape, lay, blocks or (shape.layers, True, True, shape.layers - shape.moe_layers))
     n_dense = lay.dp * lay.cp
     n_expert = max(1, n_dense // lay.ep)
     z = lay.zero

@@ -1,7 +1,10 @@
 """Step time: compute from FLOPs, communication per collective, what hides behind what.
 
 Compute. Training FLOPs per token are 6N + 12·L·h·s (the playbook's count: 2N
-forward, 4N backward, plus the attention scores and values); a rank does its
+forward, 4N backward, plus the attention scores and values; with heads that are
+not h / heads wide, 6·L·s·heads·(d_qk + d_v): shape.attn_core_flops), N the
+active parameters of the blocks a stage holds (an MoE model's leading dense
+blocks count their MLP, its MoE blocks top_k experts); a rank does its
 stage's share (its blocks, the head's matmul on the stage holding it), divided
 by tp·cp (context parallelism's ring on contiguous shards adds its last rank's
 extra causal work: _context_parallel). Recomputation adds a forward: full, 2N_blocks + 4·L·h·s per token;
@@ -22,6 +25,11 @@ A group whose ranks are all inside one node uses NVLink, otherwise InfiniBand
 tp with tp innermost: a group of stride k and size n stays in a node when k·n <=
 node size.
 
+The expert all-to-all (expert_all_to_all) splits a rank's copies between its NIC
+(those for other nodes) and NVLink (those for its own), under node-limited
+routing one copy per destination node; its group fills nodes where the framework
+orders ranks so (expert_ranks).
+
 Overlap (the playbook's appendix A3: communication hides when the compute it
 runs beside takes longer): the data-parallel gradient reduction runs beside the
 last micro-batch's backward, and only what exceeds it, plus the last bucket,
@@ -29,8 +37,12 @@ shows; ZeRO-3's gathers and reduce-scatters run beside each micro-batch's
 compute; ring attention's K/V passes run beside the attention blocks. Tensor
 parallel and expert all-to-all collectives, context parallelism's all-gather and
 Ulysses' all-to-alls sit on the critical path (their consumers wait for them)
-and are counted whole; so are ZeRO-1/2's parameter
-all-gather after the optimizer step and the pipeline's sends. The pipeline
+and are counted whole, but for the expert all-to-all under DualPipe, which runs
+one micro-batch's forward beside another's backward so each one's all-to-all
+travels while the other computes: there only what exceeds the compute shows
+(exposed_expert_comm; DeepSeek-V3 report, section 3.2.1; deepseek-ai/DualPipe).
+ZeRO-1/2's parameter all-gather after the optimizer step and the pipeline's
+sends are counted whole too. The pipeline
 bubble is bubble.py's fraction of the micro-batches' time.
 
 Synchronization: what the playbook's measured runs pay beyond bytes and FLOPs
@@ -141,8 +153,11 @@ def group_link(gpu, ranks: list[int]) -> Link:
 
 
 def playbook_flops_per_token(shape, seq_len: int) -> float:
-    """6N + 12·L·h·s, N all parameters (active ones for an MoE): what the playbook's MFU divides by."""
-    return 6 * shape.active_params() + 12 * shape.layers * shape.hidden * seq_len
+    """6N + 12·L·h·s, N all parameters (active ones for an MoE): what the playbook's MFU divides by.
+    The attention term is the heads' real widths (shape.attn_core_flops): 12·h·s where a head is
+    h / heads wide for queries, keys and values, more for Qwen3's 128-wide heads on hidden 2048 or
+    MLA's 192-wide query/key heads."""
+    return 6 * shape.active_params() + shape.layers * shape.attn_core_flops(seq_len)
 
 
 @dataclass
@@ -157,18 +172,30 @@ class StepTime:
                 "breakdown_s": dict(self.breakdown)}
 
 
-def _stage_flops(shape, lay, blocks, tokens) -> tuple[float, float, float, float]:
-    """(FLOPs, recompute FLOPs) of one micro-batch on one rank of a stage holding `blocks`, and of each
-    the part in the blocks' linears (what a float8 framework runs on the FP8 tensor cores)."""
-    n_layers, _, has_head = blocks
+def _up_projections(shape) -> int:
+    """MLA's up-projections (q_b_proj, kv_b_proj): what DeepSeek-V3 runs again in backward."""
+    if not shape.is_mla:
+        return 0
+    q_b = shape.q_lora_rank * shape.q_dim if shape.q_lora_rank else 0
+    return q_b + shape.kv_lora_rank * shape.heads * (shape.head_dim + shape.v_dim_per_head)
+
+
+def _stage_flops(shape, lay, blocks, tokens, fw=None) -> tuple[float, float, float, float]:
+    """(FLOPs, recompute FLOPs) of one micro-batch on one rank of a stage holding `blocks`
+    (states.block_counts: its dense and MoE blocks), and of each the part in the blocks' linears
+    (what a float8 framework runs on the FP8 tensor cores)."""
+    n_layers, _, has_head, n_dense = blocks
     h, s = shape.hidden, lay.seq_len
-    block_params = (shape.active_params() - shape.vocab * shape.hidden * (1 if shape.tie_embeddings else 2)
-                    - shape.norm_params()) / shape.layers
-    attn = 12 * h * s * n_layers
-    linear = 6 * block_params * n_layers
+    block_params = ((n_layers - n_dense) * shape.block_active_params(moe=True)
+                    + n_dense * shape.block_active_params(moe=False))
+    attn = shape.attn_core_flops(s) * n_layers
+    linear = 6 * block_params
     flops = linear + attn + (6 * shape.vocab * h if has_head else 0)
-    extra = {"none": 0.0, "selective": attn / 3, "full": 2 * block_params * n_layers + attn / 3}[lay.recompute]
-    extra_linear = {"none": 0.0, "selective": 0.0, "full": 2 * block_params * n_layers}[lay.recompute]
+    extra = {"none": 0.0, "selective": attn / 3, "full": 2 * block_params + attn / 3}[lay.recompute]
+    extra_linear = {"none": 0.0, "selective": 0.0, "full": 2 * block_params}[lay.recompute]
+    if fw is not None and fw.recompute_norms and lay.recompute != "full":  # DeepSeek-V3, section 3.2.3
+        extra += 2 * _up_projections(shape) * n_layers
+        extra_linear += 2 * _up_projections(shape) * n_layers
     div = lay.tp * lay.cp
     return tokens * flops / div, tokens * extra / div, tokens * linear / div, tokens * extra_linear / div
 
@@ -181,12 +208,81 @@ def _matmul_s(flops, linear, peak, fw, gpu) -> float:
     return (linear / gpu.peak_flops["fp8"] + (flops - linear) / peak) / fw.mfu
 
 
+def expert_ranks(lay, fw) -> list[int]:
+    """The expert-parallel group holding rank 0. Megatron-Core orders ranks tp-cp-ep-dp-pp (pipeline
+    outermost), torchtitan's mesh is pp-dp-cp-tp with ep inside dp, and DeepSeek-V3 runs EP64
+    "spanning 8 nodes" (arXiv 2412.19437, section 3.2): an expert group is ep ranks tp·cp apart,
+    filling nodes. Our engine's grid (dp x pp x cp x tp) puts them pp·cp·tp apart (group_ranks)."""
+    if not fw.ep_fills_nodes:
+        return group_ranks(lay, "ep")
+    return [e * lay.tp * lay.cp for e in range(lay.ep)]
+
+
+def route_nodes(shape, nodes: int) -> int:
+    """Nodes a token's experts can lie on under node-limited routing (0: no limit): topk_groups of
+    expert_groups groups, laid out in order on the expert group's nodes (a group on one node, or
+    spread over nodes / expert_groups of them), and never more than top_k."""
+    if not shape.topk_groups:
+        return 0
+    nodes_per_group = max(1, nodes // shape.expert_groups)
+    return min(shape.top_k, nodes, shape.topk_groups * nodes_per_group)
+
+
+def expert_all_to_all(shape, lay, gpu, fw, act_full: float) -> float:
+    """Seconds of one all-to-all of an MoE block (a dispatch or a combine) for one micro-batch.
+
+    Each rank sends top_k copies of its tokens (act_full bytes per copy) to the experts' ranks. Inside
+    one node: a ring all-to-all over NVLink. Across N nodes, g ranks of the group in each: a copy
+    leaves for another node with probability (N - 1)/N, over the rank's own NIC, while the copies for
+    its own node go over NVLink, at the same time: the slower of the two sets the time. Under
+    node-limited routing (route_nodes), a token is sent once to each node it is routed to and
+    forwarded there over NVLink to its experts' GPUs (DeepSeek-V3, section 3.2.2: at most 4 nodes a
+    token, IB at 50 GB/s and NVLink at 160 GB/s per GPU; DeepEP's internode kernels): M copies cross,
+    not top_k. Without it, the all-to-all sends every copy (NCCL's, Megatron's default dispatcher)."""
+    ranks = expert_ranks(lay, fw)
+    per_node: dict[int, int] = {}
+    for r in ranks:
+        per_node[r // gpu.node_size] = per_node.get(r // gpu.node_size, 0) + 1
+    n, nodes, k = len(ranks), len(per_node), shape.top_k
+    if nodes == 1:
+        return ring_time("all_to_all", k * act_full, n, gpu.intra)
+    g = min(per_node.values())
+    limit = route_nodes(shape, nodes)
+    if limit:
+        ib, nvlink = limit * (nodes - 1) / nodes * act_full, k * (g - 1) / g * act_full
+    else:
+        ib, nvlink = k * (n - g) / n * act_full, k * (g - 1) / n * act_full
+    return max(ib / gpu.inter.bandwidth, nvlink / gpu.intra.bandwidth) + latency_steps(n) * gpu.inter.latency
+
+
+def overlapped_share(lay) -> float:
+    """Share of a rank's forward and backward chunks that DualPipe runs as overlapped pairs: the
+    forward of one micro-batch beside the backward of another, each one's all-to-all running while
+    the other computes (DeepSeek-V3, section 3.2.1, Figure 4; deepseek-ai/DualPipe's README: "full
+    overlap of forward and backward computation-communication phases"). DualPipeV's rank 0, the one
+    with the fewest pairs, runs 2(m - 2p + 1) of them in its steady phase and p - 1 in the next
+    (parallel/pipeline/schedules.py, dualpipe_v) of its 2m chunks each way. 1F1B, the interleaved
+    and zero-bubble schedules run one micro-batch at a time: nothing to overlap with."""
+    if not v_shaped(lay.schedule) or lay.pp == 1:
+        return 0.0
+    p, m = lay.pp, lay.grad_accum
+    return max(0.0, (2 * m - 3 * p + 1) / (2 * m))
+
+
+def exposed_expert_comm(a2a: float, compute: float, lay) -> float:
+    """What a micro-batch's expert all-to-alls add to its time: all of them where nothing runs beside
+    them; in DualPipe's overlapped pairs only what exceeds the compute they hide behind,
+    max(0, a2a - compute) (the pair takes the longer of its computation and its communication)."""
+    share = overlapped_share(lay)
+    return share * max(0.0, a2a - compute) + (1 - share) * a2a
+
+
 def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
     """Seconds of one micro-batch (forward and backward) on one rank of a stage holding `blocks`."""
     b = get_precision(lay.precision).act_bytes
     tokens = lay.micro_batch * lay.seq_len
-    n_layers = blocks[0]
-    flops, extra, linear, extra_linear = _stage_flops(shape, lay, blocks, tokens)
+    n_layers, n_moe = blocks[0], blocks[0] - blocks[3]
+    flops, extra, linear, extra_linear = _stage_flops(shape, lay, blocks, tokens, fw)
     t = {"compute": _matmul_s(flops, linear, peak, fw, gpu), "recompute": _matmul_s(extra, extra_linear, peak, fw, gpu),
          "kernel_overhead": fw.layer_overhead_s * n_layers + fw.microbatch_overhead_s}
     if fw.attention == "eager" or (lay.cp > 1 and fw.cp_block_attention == "eager"):
@@ -216,15 +312,19 @@ def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
     cp_steps = 0
     if lay.cp > 1:
         t["cp_comm"], t["cp_imbalance"], cp_steps = _context_parallel(shape, lay, gpu, fw, n_layers, tokens, b, peak)
-    t["ep_comm"] = 0.0
-    if lay.ep > 1:  # dispatch and combine, forward and backward, each an all-to-all of top_k copies
-        ep_link = link_of(gpu, lay, "ep")
-        t["ep_comm"] = n_layers * 4 * ring_time("all_to_all", shape.top_k * act_full, lay.ep, ep_link)
     # Synchronization (see the module's docstring): every ring step of a collective on the critical
     # path costs collective_step_s, pipeline_sync_factor times more where a pipeline receive
     # synchronizes the host; and each micro-batch pays node_pair_sync_s per pair of nodes.
-    steps = tp_steps + cp_steps + (n_layers * 4 * (lay.ep - 1) if lay.ep > 1 else 0)
     factor = fw.pipeline_sync_factor if lay.pp > 1 else 1.0
+    t["ep_comm"], ep_steps = 0.0, 0
+    if lay.ep > 1 and n_moe:  # dispatch and combine, forward and backward, each an all-to-all
+        t["ep_comm"] = n_moe * 4 * expert_all_to_all(shape, lay, gpu, fw, act_full)
+        ep_steps = n_moe * 4 * (lay.ep - 1)
+        if overlapped_share(lay):  # off the critical path where overlapped: its steps' waits with it
+            ep_sync = ep_steps * fw.collective_step_s * factor
+            t["ep_comm"] = exposed_expert_comm(t["ep_comm"] + ep_sync, t["compute"] + t["recompute"], lay)
+            ep_steps = 0
+    steps = tp_steps + cp_steps + ep_steps
     nodes = -(-lay.world // gpu.node_size)
     t["sync"] = steps * fw.collective_step_s * factor + gpu.node_pair_sync_s * nodes**2
     t["pp_comm"] = 0.0
@@ -254,7 +354,7 @@ def _context_parallel(shape, lay, gpu, fw, n_layers, tokens, b, peak) -> tuple[f
     """
     again = lay.recompute != "none"
     cp_link = link_of(gpu, lay, "cp")
-    causal = tokens * 6 * shape.hidden * lay.seq_len * n_layers / (lay.tp * lay.cp)  # FLOPs, balanced
+    causal = tokens * shape.attn_core_flops(lay.seq_len) / 2 * n_layers / (lay.tp * lay.cp)  # FLOPs, balanced
     causal_s = causal / (peak * fw.mfu) * (4 / 3 if again else 1)  # recomputation: the forward's third again
     kv = 2 * tokens / lay.cp * shape.kv_dim * b / lay.tp  # this rank's K and V, bytes
     imbalance = causal_s * (lay.cp - 1) / lay.cp if lay.cp_attention == "ring" else 0.0
@@ -267,7 +367,7 @@ def _context_parallel(shape, lay, gpu, fw, n_layers, tokens, b, peak) -> tuple[f
                 + ring_time("reduce_scatter", gathered, lay.cp, cp_link)) * n_layers
         return comm, imbalance, (2 + again) * (lay.cp - 1) * n_layers
     if lay.cp_attention == "ulysses":
-        q = tokens / lay.cp * shape.hidden * b / lay.tp  # q and O of this rank; k and v are half of kv
+        q = tokens / lay.cp * (shape.q_dim + shape.attn_out_dim) / 2 * b / lay.tp  # q and O; k and v: kv
         one_way = 2 * ring_time("all_to_all", q, lay.cp, cp_link) + 2 * ring_time("all_to_all", kv / 2, lay.cp, cp_link)
         return (2 + again) * one_way * n_layers, imbalance, 4 * (2 + again) * (lay.cp - 1) * n_layers
     raise ValueError(f"cp_attention must be ring, zigzag, allgather or ulysses, got {lay.cp_attention!r}")
