@@ -126,14 +126,20 @@ STEP3 = code(r'''
 # `ultrascale plan --model llama3-70b --gpus 64 --cp 1 --recompute none` prints the same ranking).
 found = search(LLAMA_70B, 64, H100, PLANNER, seq_len=4096, global_batch_tokens=2**20,
                fixed={"cp": 1, "recompute": "none"})
-print(f"{len(found.ranked)} of {found.enumerated} layouts fit; the first five:")
-for c in found.ranked[:5]:
+print(f"{len(found.ranked)} of {found.enumerated} layouts fit; the five fastest:")
+for c in found.by_time[:5]:
+    print(f"  {c.layout.label():55s} {c.memory.peak.total / GiB:5.1f} GiB  "
+          f"{c.time.tokens_per_s_per_gpu:5.0f} tok/s/GPU")
+group = found.top_group
+print(f"\n{len(group)} layouts lie within the time model's error (±{100 * found.band:.1f}%) of the fastest; "
+      f"the planner lists them first, by memory headroom, then simplicity:")
+for c in group[:3]:
     print(f"  {c.layout.label():55s} {c.memory.peak.total / GiB:5.1f} GiB  "
           f"{c.time.tokens_per_s_per_gpu:5.0f} tok/s/GPU")
 
 print("\nThe fastest fitting layout for each (tp, pp), and where its step time goes (seconds):")
 best = {}
-for c in found.ranked:
+for c in found.by_time:
     best.setdefault((c.layout.tp, c.layout.pp), c)
 for (tp, pp), c in sorted(best.items(), key=lambda kv: -kv[1].time.tokens_per_s_per_gpu)[:6]:
     b = c.time.breakdown
@@ -320,8 +326,12 @@ micro-batch is doubly welcome.
             md(r'''
 Among what fits and reaches the batch, the planner predicts each layout's step time - compute from FLOPs,
 each collective on the link it crosses (NVLink inside a node, InfiniBand between nodes), what overlaps
-with what, the bubble - and ranks by tokens/s/GPU. Layouts within 1% of each other are a tie the model
-cannot tell apart; the simpler one (fewer pipeline stages, fewer tp ranks, lower ZeRO stage) goes first.
+with what, the bubble - and sorts by tokens/s/GPU. It also knows how far to trust that sort: its
+predictions of published runs are off by up to about a quarter (next section), so every layout within
+that band of the fastest is one group it cannot order. `ultrascale plan` lists that group first, those with
+room for the memory model's error first, then the simplest (fewer model-parallel ranks, fewer axes, no
+recomputation, a lower ZeRO stage); after it, strictly by predicted speed. Below, the five fastest by
+prediction, then the head of that group.
 '''),
             STEP3,
             md(r'''
@@ -334,8 +344,7 @@ tensor-parallel collective dearer (`sync`): the framework whose runs calibrate t
 reads the shape of every tensor a pipeline stage receives on the host, which stops the CPU from running
 ahead of the GPU, so the collectives after it are paid as they are launched - eight times the 20 µs per
 ring step they cost without a pipeline. The winner is the balance: tp 8 inside a node and no pipeline,
-dp for the rest, with ZeRO-1 sharding the optimizer states (ZeRO-2 ties it within 1%, so the simpler
-layout is listed first). A framework whose pipeline never synchronizes the host would shift the balance
+dp for the rest, with ZeRO-1 sharding the optimizer states (ZeRO-2 is as fast to within 1%). A framework whose pipeline never synchronizes the host would shift the balance
 towards the pipelined layouts; `--framework` says which one is planned for.
 '''),
         ]),
@@ -370,8 +379,9 @@ the real cluster before a long run - especially at scale.
 `ultrascale plan ... --emit-config plan.toml` writes the chosen layout in the engine's own configuration
 format, which `ultrascale train --config plan.toml` runs. Scaled down to what runs here: the tiny model,
 4 "GPUs" and 8 sequences of 32 tokens. For a model this small nothing is worth splitting: the layouts
-differ only by fixed costs per block and per micro-batch, and the planner's free choice follows them;
-pinning `--tp 2` asks for its best layout with tensor parallelism, which is then written and trained:
+differ only by fixed costs per block and per micro-batch, all of them well inside the time model's error,
+so the planner's free choice is the simplest that fits: plain data parallelism. Pinning `--tp 2` asks for
+its best layout with tensor parallelism, which is then written and trained:
 '''),
             EMIT,
         ]),
@@ -437,12 +447,14 @@ playbook's order:
 1. **Valid and fits**: `dp * pp * tp == gpus`; `tp <= 8` (one node) and `tp` divides `heads`; `pp`
    divides `layers`; `dp` divides the `sequences` of the global batch; `memory_per_gpu(...) <= limit`.
 2. **Fastest**: among those, the highest `tokens_per_s`.
-3. **Ties go to the simpler layout**, as the planner does: every layout within 1% of the fastest counts
-   as a tie; among them take the fewest pipeline stages, then the fewest tp ranks.
+3. **Ties go to the simpler layout**: every layout within 1% of the fastest counts as a tie; among them
+   take the fewest pipeline stages, then the fewest tp ranks. (The planner's own band is its whole error,
+   ±a quarter, and it puts memory headroom first inside it: a planner's caution; yours is the rule.)
 
 The check first uses hand-made functions where each rule decides the answer, then the planner's own
 memory and time models (Llama 3 8B and 70B on H100, H200 and A100 clusters, one sequence per micro-batch,
-ZeRO-1, 1F1B), and compares your choice with `ultrascale.plan.search` pinned to the same knobs.
+ZeRO-1, 1F1B), and compares your choice with the same rule over `ultrascale.plan.search`'s layouts, pinned
+to the same knobs, sorted by its predicted speed (`SearchResult.by_time`).
 ''',
             starter=r'''
 def best_layout(gpus, heads, layers, sequences, memory_per_gpu, tokens_per_s, limit):

@@ -63,11 +63,13 @@ PLANNER = code(r'''
 # `ultrascale plan --model llama3-8b --gpus 128 --global-batch-tokens 4194304 --tp 1 --pp 1 --cp 1`
 found = search(LLAMA3_8B, 128, H100, PLAYBOOK, seq_len=4096, global_batch_tokens=4 * 2**20, fixed=ONE_D)
 print(f"{len(found.ranked)} of {found.enumerated} 1-D layouts fit in {H100.memory_bytes / GiB:.1f} GiB; the fastest:")
-for c in found.ranked[:4]:
+for c in found.by_time[:4]:
     print(f"  {c.layout.label():40s} {c.memory.peak.total / GiB:5.1f} GiB  step {c.time.step_s:.2f} s  "
           f"{c.time.tokens_per_s_per_gpu:,.0f} tokens/s/GPU")
-best = found.ranked[0].layout
+best = found.by_time[0].layout
 print(f"planner's choice: MBS {best.micro_batch} x GA {best.grad_accum} x DP {best.dp} = {best.global_batch} sequences")
+# `ultrascale plan` lists first the layouts its time model cannot tell apart (Part 14 says why).
+print(f"{len(found.top_group)} layouts within the time model's error (±{100 * found.band:.1f}%) of the fastest")
 ''')
 
 MEMORY = code(r'''
@@ -115,7 +117,7 @@ for gpus in (64, 128, 256, 512, 1024, 2048):
     except ConfigError:
         print(f"{gpus:5d} GPUs: no layout - 1024 sequences cannot give every GPU a micro-batch")
         continue
-    c = found.ranked[0]
+    c = found.by_time[0]
     t = c.time
     exposed = t.breakdown["dp_comm"]
     print(f"{gpus:5d} GPUs: MBS {c.layout.micro_batch} x GA {c.layout.grad_accum:2d}  step {t.step_s:5.2f} s  "

@@ -153,7 +153,7 @@ PRINTED = [
     "mean Spearman (tokens/s/GPU, per group) 0.813",
     "  64 nodes:  1.07  (281 runs, median measured MFU 0.9%)",
     "   1 nodes:  0.98  (69 runs, median measured MFU 37.8%)",
-    "planner's choice for the tiny model: dp2 tp1 pp2(zero-bubble) zero0 rc:none mbs4 ga1",
+    "planner's choice for the tiny model: dp4 tp1 pp1 zero0 rc:none mbs2 ga1",
     "with --tp 2:                         dp2 tp2+sp pp1 zero0 rc:none mbs4 ga1",
     "[parallel]\ndp = 2\ntp = 2",
 ]

@@ -108,7 +108,7 @@ def planner_choice(model: str, gpu_name: str, tokens: int, seq_len: int, gpus: i
         return None
     if not found.ranked:
         return None
-    lay = found.ranked[0].layout
+    lay = found.by_time[0].layout
     return lay.micro_batch, lay.grad_accum, lay.dp
 
 
