@@ -139,3 +139,18 @@ def test_the_ranks_of_a_notebook_check_end_with_the_check(tmp_path):
     for p in alive:
         p.kill()
     assert alive == [], f"still running after the check was killed: {alive}"
+
+
+def test_the_store_port_is_free_and_outside_the_ephemeral_range():
+    # Outgoing connections take their local ports from the kernel's ephemeral range: a store port
+    # from there can be taken between the check and rank 0's bind (EADDRINUSE with runs side by side).
+    import socket
+
+    from ultrascale.distributed import launch
+
+    low, _ = launch._ephemeral_range()
+    ports = {launch.free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), ports
+    assert len(ports) > 1  # drawn, not a fixed port every run shares
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", ports.pop()))

@@ -60,7 +60,34 @@ ENV_STDERR_TTY = "ULTRASCALE_STDERR_TTY"  # the launcher's stderr is a terminal 
 _HOLD_MARKERS = (b"Traceback (most recent call last)", b"ultrascale: ")
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
+    """A port for rank 0's store, free now and outside the kernel's ephemeral range.
+
+    Between this check and rank 0's bind the port is unheld. A port the kernel hands out itself
+    (bind to 0) comes from the ephemeral range, which every outgoing connection on the machine also
+    draws from (gloo's, other runs'): one of them can take it in that window (EADDRINUSE, seen with
+    runs side by side on two cores). Below that range only a listener that names the port can."""
+    import random
+
+    low, _ = _ephemeral_range()
+    pick = random.Random()  # not the caller's seeded global generator
+    for _ in range(64):
+        port = pick.randrange(max(1024, low // 2), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
