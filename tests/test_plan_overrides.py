@@ -98,7 +98,7 @@ def test_the_gpt_rule_gives_the_published_gpt_widths():
     # GPT-3 175B: d_model 12288, d_ff 49152 (Brown et al. 2020, Table 2.1 and section 2.1).
     assert gpt_ffn(12288) == 49152
     for name, shape in PUBLISHED_PRESETS.items():
-        assert rules_of(name).ffn(shape.hidden) == shape.ffn_hidden, name
+        assert rules_of(name, shape).ffn(shape.hidden) == shape.ffn_hidden, name
 
 
 def test_deepseek_shared_expert_follows_the_routed_width():

@@ -86,10 +86,10 @@ RULES: dict[str, Rules] = {
 }
 
 
-def rules_of(name: str) -> Rules:
-    from ultrascale.plan.shape import PUBLISHED_PRESETS
-
-    if name in PUBLISHED_PRESETS:
+def rules_of(name: str, shape=None) -> Rules:
+    """The rules of preset `name`; `shape` (its ModelShape) tells a GPT-3-style block (LayerNorm, a GELU
+    MLP, one kv head per head) by itself, so the planner's published GPTs need no list here."""
+    if shape is not None and shape.mlp == "gelu" and shape.norm == "layernorm" and shape.kv_heads == shape.heads:
         return GPT3
     return RULES.get(name, Rules())
 
@@ -140,7 +140,7 @@ def resolve(base_shape, base: str, overrides: dict) -> Resolved:
     count = base_shape.count()
     if not given:
         return Resolved(base_shape, base, preset_params=count)
-    rules, derived = rules_of(base), {}
+    rules, derived = rules_of(base, base_shape), {}
     _derive_heads(base, rules, given, derived)
     _derive_kv_heads(base_shape, base, rules, given, derived)
     missing = _derive_widths(base_shape, base, rules, given, derived)
