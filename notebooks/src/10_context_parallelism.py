@@ -245,7 +245,8 @@ forward and backward, on 4 ranks:
             RING,
             md(r'''
 With **contiguous** shards, rank $r$ computes $r + 1$ of the $cp$ blocks (the others are in its future):
-the last rank works about twice as much as the average, and the ring waits for it. **Zig-zag** gives each
+the last rank works $2cp/(cp+1)$ times the average (1.6x at $cp = 4$, as the tally above shows; towards
+2x as $cp$ grows), and the ring waits for it. **Zig-zag** gives each
 rank two chunks of $2\,cp$, number $r$ and number $2cp - 1 - r$ (one early, one late), so every rank does
 the same work; the counts above are the engine's own tally of score elements computed.
 The engine's all-gather variant takes the same zig-zag shards (as Llama 3's all-gather attention does):

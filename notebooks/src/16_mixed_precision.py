@@ -175,7 +175,8 @@ bf16/fp16 at 2x and FP8 at 4x the FLOP/s of TF32 (and more than 10x plain fp32's
             md(r'''
 **bf16** keeps fp32's 8 exponent bits (the same range) with 7 mantissa bits: coarse, but nothing
 overflows or underflows that did not in fp32. **fp16** has 10 mantissa bits but 5 exponent bits: the
-largest value is 65504 and values below about $6 \cdot 10^{-8}$ become 0. The FP8 formats split 7 bits:
+largest value is 65504, the smallest (subnormal) one is $2^{-24} \approx 6 \cdot 10^{-8}$, and values below
+half of it, $2^{-25} \approx 3 \cdot 10^{-8}$, become 0 (3e-8 above rounds up to the smallest, 5.96e-8). The FP8 formats split 7 bits:
 **e4m3** (more resolution, max 448: weights and activations) and **e5m2** (more range: gradients).
 '''),
             ROUNDING,
@@ -183,8 +184,9 @@ largest value is 65504 and values below about $6 \cdot 10^{-8}$ become 0. The FP
         Section("fp16 underflow and loss scaling", [
             md(r'''
 Gradients are small, and smaller in a bigger model, a longer sequence, a deeper accumulation. In fp16
-the ones below the smallest normal ($6.1 \cdot 10^{-5}$) lose precision as subnormals, and those below
-$2^{-24} \approx 6 \cdot 10^{-8}$ are **flushed to zero**: those weights stop learning. **Loss
+the ones below the smallest normal ($6.1 \cdot 10^{-5}$) lose precision as subnormals, those below the
+smallest subnormal $2^{-24} \approx 6 \cdot 10^{-8}$ keep nothing of their value, and those below half of
+it ($2^{-25}$) are **rounded to zero**: those weights stop learning. **Loss
 scaling** multiplies the loss by $S$ before backward, so every gradient is computed $S$ times larger,
 inside fp16's range, and divides the (fp32) gradients by $S$ before the optimizer: the update is
 unchanged, the underflow gone. Measured on the tiny model's real gradients:
