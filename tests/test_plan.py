@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from ultrascale.cli import main
 from ultrascale.model import PRESETS, build_model, count_params, get_preset
 from ultrascale.plan.bubble import bubble_fraction, in_flight
 from ultrascale.plan.calibration import GIB, get_framework
@@ -20,23 +19,9 @@ from ultrascale.plan.memory import memory_plan
 from ultrascale.plan.shape import MOE_PRESETS, from_model_config, get_shape
 from ultrascale.plan.time import ring_time, step_time
 
+from plan_cli import cli, memory_json
+
 LLAMA3_8B = 8_030_261_248  # Meta's published count for Llama 3 8B
-
-
-def cli(capsys, *args):
-    """Run `ultrascale ...` in this process: (exit code, stdout, stderr)."""
-    try:
-        code = main(list(args))
-    except SystemExit as e:  # argparse errors
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def memory_json(capsys, *args):
-    code, out, err = cli(capsys, "plan", "memory", *args, "--json")
-    assert code == 0, err
-    return json.loads(out)
 
 
 # -- shapes ---------------------------------------------------------------------

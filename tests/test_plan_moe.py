@@ -2,11 +2,9 @@
 H800 and the link bandwidths of any cluster; DualPipe's overlap of the expert all-to-all."""
 
 import dataclasses
-import json
 
 import pytest
 
-from ultrascale.cli import main
 from ultrascale.model import PRESETS
 from ultrascale.parallel.pipeline.schedules import dualpipe_v, overlapped_pairs
 from ultrascale.plan import activations as act
@@ -16,6 +14,8 @@ from ultrascale.plan.layout import Layout
 from ultrascale.plan.shape import from_model_config, get_shape
 from ultrascale.plan.states import block_counts, stage_blocks, stage_layer_ids, stage_params
 from ultrascale.plan.time import _stage_flops, expert_all_to_all, overlapped_share, playbook_flops_per_token, step_time
+
+from plan_cli import cli, memory_json as plan_json
 
 # config.json of huggingface.co/deepseek-ai/DeepSeek-V3: the fields a parameter count reads.
 DEEPSEEK_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -62,24 +62,9 @@ def within(value, published, rel):
     return abs(value / published - 1) <= rel
 
 
-def cli(capsys, *args):
-    try:
-        code = main(list(args))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 # DeepSeek-V3's layout (arXiv 2412.19437, section 3.2; batches of 15,360 sequences of 4K, section 4.2).
 DEEPSEEK_RUN = ["--model", "deepseek-v3", "--dp", "128", "--pp", "16", "--ep", "64", "--zero", "1", "--micro-batch",
                 "1", "--grad-accum", "120", "--seq-len", "4096", "--precision", "bf16-fp32-grads"]
-
-
-def plan_json(capsys, *args):
-    code, out, err = cli(capsys, "plan", "memory", *args, "--json")
-    assert code == 0, err
-    return json.loads(out)
 
 
 # -- counts ------------------------------------------------------------------------------------

@@ -6,30 +6,16 @@ import json
 
 import pytest
 
-from ultrascale.cli import main
 from ultrascale.model.config import PRESETS, count_params, playbook_param_formula
 from ultrascale.plan.overrides import gpt_ffn, llama3_ffn, rules_of
 from ultrascale.plan.shape import PUBLISHED_PRESETS, get_shape
+
+from plan_cli import cli, memory_json as plan_json
 
 # Meta's published shapes (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3; the models'
 # params.json): hidden, layers, heads, kv heads, MLP width. Vocabulary 128,256, untied embeddings.
 LLAMA3_70B = dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672)
 LLAMA3_VOCAB = 128256
-
-
-def cli(capsys, *args):
-    try:
-        code = main(list(args))
-    except SystemExit as e:  # argparse errors
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def plan_json(capsys, *args):
-    code, out, err = cli(capsys, "plan", "memory", *args, "--json")
-    assert code == 0, err
-    return json.loads(out)
 
 
 def llama_count(hidden, layers, heads, kv_heads, ffn, vocab=LLAMA3_VOCAB):

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from ultrascale.cli import main
 from ultrascale.plan import published
 from ultrascale.plan.calibration import GIB, get_framework
 from ultrascale.plan.hardware import get_cluster
@@ -24,11 +23,7 @@ from ultrascale.plan.shape import get_shape
 from ultrascale.plan.time import step_time
 from ultrascale.plan.validate import GOALS, load_rows, validate
 
-
-def cli(capsys, *args):
-    code = main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from plan_cli import cli
 
 
 # -- the two errors ----------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import contextlib
 import importlib
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -76,8 +77,6 @@ def free_port() -> int:
     (bind to 0) comes from the ephemeral range, which every outgoing connection on the machine also
     draws from (gloo's, other runs'): one of them can take it in that window (EADDRINUSE, seen with
     runs side by side on two cores). Below that range only a listener that names the port can."""
-    import random
-
     low, _ = _ephemeral_range()
     pick = random.Random()  # not the caller's seeded global generator
     for _ in range(64):

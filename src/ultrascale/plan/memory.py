@@ -250,7 +250,7 @@ def verdict(plan: MemoryPlan, gpu) -> str:
         return "fits"
     if fits(plan, gpu):
         return (f"fits tightly: {(gpu.memory_bytes - max(s.needed for s in plan.stages)) / GIB:.1f} GiB left "
-                f"for the allocator's cache (planned {plan.peak.terms['overhead'] / GIB - 1e-9:.1f} GiB of overhead)")
+                f"for the allocator's cache (planned {plan.peak.terms['overhead'] / GIB:.1f} GiB of overhead)")
     return "does NOT fit"
 
 
