@@ -38,26 +38,44 @@ class RankError(RuntimeError):
     """The function failed on a rank, with something other than NotImplementedError or AssertionError."""
 
 
-def on_ranks(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+def on_ranks(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, calls: list | None = None, **kwargs) -> list:
     """fn(*args, **kwargs) on `world` processes of one gloo group; each rank's return value, by rank.
 
     Inside fn, `torch.distributed` is initialised: `dist.get_rank()`, `dist.all_reduce(...)`
     and the rest work as under torchrun. Functions among fn, args and kwargs that the
     notebook defined are sent as source; the rest must pickle.
+
+    Every torch.distributed call made inside fn is watched (series/watch.py): pass a list as
+    `calls` and it receives, per rank, the `Call`s that rank made. A deadlock (every rank that
+    has not returned blocked in a call for watch.STALL seconds) is reported as such, naming the
+    rank and the call it waits in, well before `timeout`.
     """
+    import tempfile
+
+    from ultrascale.series.watch import stalled
     from ultrascale.testing.harness import DistributedError, run_distributed
 
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of ranks, got {world!r}")
     payload = pickle.dumps((_pack(fn), [_pack(a) for a in args], {k: _pack(v) for k, v in kwargs.items()}))
-    try:
-        results = run_distributed(world, _call_on_rank, payload, timeout=timeout)
-    except DistributedError as e:
-        raise RankError(f"{_name(fn)} did not finish on {world} ranks within {timeout:.0f} s: is there a "
-                        f"collective that not every rank calls, or a send without its recv?\n{e}") from None
+    with tempfile.TemporaryDirectory(prefix="ultrascale-watch-") as status:
+        try:
+            results = run_distributed(world, _call_on_rank, payload, status, timeout=timeout,
+                                      stalled=lambda pending: stalled(status, pending, world))
+        except DistributedError as e:
+            first = str(e).splitlines()[0]
+            if "cannot finish: " in first:
+                waits = first.split("cannot finish: ", 1)[1]
+                # A learner's mistake, not a crash: the check fails with where each rank stopped.
+                raise AssertionError(f"deadlock on {world} ranks: {waits}. Every rank must call the same "
+                                     f"collectives in the same order, and every send needs its recv") from None
+            raise RankError(f"{_name(fn)} did not finish on {world} ranks within {timeout:.0f} s: is there a "
+                            f"collective that not every rank calls, or a send without its recv?\n{e}") from None
+    if calls is not None:
+        calls[:] = [res[-1] for res in results]
     failures = [(r, res) for r, res in enumerate(results) if res[0] != "ok"]
     if failures:
-        rank, (_, kind, message, tb) = failures[0]
+        rank, (_, kind, message, tb, _) = failures[0]
         where = f" (rank {rank} of {world})"
         if kind == "NotImplementedError":
             raise NotImplementedError(message or "not done yet")
@@ -178,14 +196,24 @@ def _unpack(obj, namespace):
     return obj
 
 
-def _call_on_rank(payload: bytes):
-    """On each rank: define the notebook's functions, call, and report the outcome as data."""
+def _call_on_rank(payload: bytes, status_dir: str):
+    """On each rank: define the notebook's functions, call, and report the outcome (and the
+    torch.distributed calls made) as data."""
+    import os
+
+    import torch.distributed as dist
+
+    from ultrascale.series.watch import watching
+
     namespace = {"__name__": "__notebook__"}
-    try:
-        fn, args, kwargs = pickle.loads(payload)
-        fn = _unpack(fn, namespace)
-        args = [_unpack(a, namespace) for a in args]
-        kwargs = {k: _unpack(v, namespace) for k, v in kwargs.items()}
-        return ("ok", fn(*args, **kwargs))
-    except Exception as e:  # noqa: BLE001 - the notebook decides what each kind means
-        return ("failed", type(e).__name__, str(e), traceback.format_exc(limit=-4))
+    # Watched from before the functions are defined: a `from torch.distributed import all_reduce`
+    # in the notebook binds the watched function.
+    with watching(os.path.join(status_dir, f"rank{dist.get_rank()}")) as record:
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            fn = _unpack(fn, namespace)
+            args = [_unpack(a, namespace) for a in args]
+            kwargs = {k: _unpack(v, namespace) for k, v in kwargs.items()}
+            return ("ok", fn(*args, **kwargs), list(record))
+        except Exception as e:  # noqa: BLE001 - the notebook decides what each kind means
+            return ("failed", type(e).__name__, str(e), traceback.format_exc(limit=-4), list(record))

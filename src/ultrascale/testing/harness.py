@@ -93,8 +93,12 @@ class WorkerPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def run(self, fn, *args, timeout: float = 240, **kwargs) -> list:
-        """fn(*args, **kwargs) on every rank; the list of return values, by rank."""
+    def run(self, fn, *args, timeout: float = 240, stalled=None, **kwargs) -> list:
+        """fn(*args, **kwargs) on every rank; the list of return values, by rank.
+
+        `stalled(pending ranks)`, asked about once a second while ranks are still running, may
+        return a sentence: those ranks can never finish (a deadlock it can see), so the pool is
+        killed and the sentence is the error, without waiting for the timeout."""
         task = pickle.dumps((fn, args, kwargs))  # fails here, in the caller, if it cannot travel
         for q in self.tasks:
             q.put(task)
@@ -105,6 +109,11 @@ class WorkerPool:
                 # The others may be blocked in a collective the failed (or dead) rank never joined.
                 grace, deadline = True, min(deadline, time.monotonic() + 5.0)
             remaining = deadline - time.monotonic()
+            pending = sorted(set(range(self.world_size)) - set(out) - set(errors))
+            stuck = stalled(pending) if stalled is not None and not errors else None
+            if stuck:
+                self.close(kill=True)
+                raise DistributedError(f"{fn.__name__} on {self.world_size} ranks cannot finish: {stuck}")
             try:
                 rank, ok, value = self.results.get(timeout=max(0.01, min(remaining, 1.0)))
             except queue.Empty:
@@ -148,13 +157,13 @@ class WorkerPool:
 _POOLS: dict[int, WorkerPool] = {}
 
 
-def run_distributed(world_size: int, fn, *args, timeout: float = 240, **kwargs) -> list:
+def run_distributed(world_size: int, fn, *args, timeout: float = 240, stalled=None, **kwargs) -> list:
     """Run fn on `world_size` gloo processes (a pool kept for reuse); return each rank's result."""
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive:
         pool = _POOLS[world_size] = WorkerPool(world_size)
     try:
-        return pool.run(fn, *args, timeout=timeout, **kwargs)
+        return pool.run(fn, *args, timeout=timeout, stalled=stalled, **kwargs)
     finally:
         if not pool.alive:
             _POOLS.pop(world_size, None)

@@ -1,0 +1,237 @@
+"""What each rank called: the collectives a learner's code runs, watched while it runs.
+
+A check that compares only the values a rank returns cannot tell a distributed algorithm
+from a local one: every rank running every expert, or all-gathering K and V and masking,
+gives the right numbers without the communication the exercise teaches. So while a
+learner's function runs on a rank (`ranks.on_ranks`), the functions of
+`torch.distributed` are wrapped: each call is recorded as a `Call` (its kind, the
+global ranks of its group, the bytes this rank put in, the reduction, the peer), and
+a check reads them back to name what was called, what was not, and what was forbidden.
+
+The same wrapping says where a rank is stuck. On entering a call that can block (a
+collective, a recv, the wait of an isend/irecv) a rank writes one line to a file of its
+own ("since <time>: all_reduce SUM over ranks [0, 1], 64 B"), and clears it on leaving.
+The process that runs the check reads those files: when every rank that has not
+returned has been blocked for `STALL` seconds, nothing can move any more, and it says
+which rank waits in which call, instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import time
+from dataclasses import dataclass
+
+STALL = 6.0  # seconds every unfinished rank has been blocked before it is called a deadlock
+
+# The functions of torch.distributed that move data, and which argument holds this rank's data.
+_DATA_ARG = {
+    "all_reduce": "tensor", "reduce": "tensor", "broadcast": "tensor",
+    "all_gather": "tensor", "all_gather_into_tensor": "input_tensor", "all_gather_single": "input_tensor",
+    "reduce_scatter": "input_list", "reduce_scatter_tensor": "input", "reduce_scatter_single": "input",
+    "all_to_all": "input_tensor_list", "all_to_all_single": "input",
+    "gather": "tensor", "scatter": "scatter_list",
+    "send": "tensor", "recv": "tensor", "isend": "tensor", "irecv": "tensor",
+    "barrier": None,
+    "all_gather_object": None, "broadcast_object_list": None, "gather_object": None,
+    "scatter_object_list": None, "send_object_list": None, "recv_object_list": None,
+}
+_SAME = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
+POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+_ASYNC = ("isend", "irecv")  # return a Work whose wait() is where they block
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a torch.distributed function on one rank."""
+
+    kind: str  # the function's name: "all_reduce", "isend", ...
+    group: tuple  # the global ranks of the group it ran over
+    bytes: int  # the bytes of this rank's data: the tensor sent, reduced or gathered from
+    op: str | None = None  # the reduction, for all_reduce, reduce and reduce_scatter: "SUM", "AVG", ...
+    peer: int | None = None  # the other rank (global), for send and recv
+
+    def __str__(self) -> str:
+        op = f" {self.op}" if self.op else ""
+        if self.peer is not None:
+            where = f" {'to' if self.kind in ('send', 'isend') else 'from'} rank {self.peer}"
+        else:
+            where = f" over ranks {list(self.group)}"
+        return f"{self.kind}{op}{where}, {self.bytes} B"
+
+
+def kinds(calls) -> list[str]:
+    """The kinds of `calls`, in order: ["all_reduce", "all_reduce"]; the deprecated names are said as
+    their successors (all_gather_into_tensor is all_gather_single)."""
+    return [_SAME.get(c.kind, c.kind) for c in calls]
+
+
+def sent(calls) -> int:
+    """Bytes this rank sent point to point (send and isend)."""
+    return sum(c.bytes for c in calls if c.kind in ("send", "isend"))
+
+
+# ---- on a rank ------------------------------------------------------------------------------------
+
+_RECORD: list[Call] | None = None
+_STATUS: str | None = None  # this rank's file, where a blocking call is announced
+_DEPTH = [0]  # inside a wrapped call: the calls it makes itself are its own business
+
+
+def calls() -> list[Call]:
+    """The calls recorded so far on this rank (a check's own rank-side code may read them)."""
+    return list(_RECORD or [])
+
+
+@contextlib.contextmanager
+def unwatched():
+    """A check's own communication (gathering results to compare): not the learner's, not recorded."""
+    _DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _DEPTH[0] -= 1
+
+
+def _bytes(value) -> int:
+    import torch
+
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_bytes(v) for v in value)
+    return 0
+
+
+def _announce(line: str | None) -> None:
+    if _STATUS is None:
+        return
+    with open(_STATUS, "w") as f:
+        f.write("" if line is None else f"{time.time()} {line}")
+
+
+class _WatchedWork:
+    """An isend/irecv's Work: its wait() is where the rank blocks, so that is what is announced."""
+
+    def __init__(self, work, call: Call):
+        self._work, self._call = work, call
+
+    def wait(self, *args, **kwargs):
+        _announce(f"the wait of {self._call}")
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            _announce(None)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _describe(name: str, signature, args, kwargs) -> Call:
+    import torch.distributed as dist
+
+    bound = signature.bind_partial(*args, **kwargs).arguments
+    group = bound.get("group")
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    data = _DATA_ARG.get(name)
+    op = bound.get("op")
+    if name in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single"):
+        op = getattr(op, "name", None) or str(op).split(".")[-1] if op is not None else "SUM"
+    else:
+        op = None
+    peer = None
+    if name in POINT_TO_POINT:
+        peer = bound.get("dst", bound.get("src"))
+        local = bound.get("group_dst", bound.get("group_src"))
+        if peer is None and local is not None:
+            peer = ranks[local]
+    return Call(name, ranks, _bytes(bound.get(data)) if data else 0, op, peer)
+
+
+def _wrap(name: str, original):
+    signature = inspect.signature(original)
+
+    def watched(*args, **kwargs):
+        if _DEPTH[0] or _RECORD is None:
+            return original(*args, **kwargs)
+        try:
+            call = _describe(name, signature, args, kwargs)
+        except Exception:  # noqa: BLE001 - arguments torch will refuse itself, in its own words
+            return original(*args, **kwargs)
+        _RECORD.append(call)
+        blocks = name not in _ASYNC and not kwargs.get("async_op", False)
+        if blocks:
+            _announce(str(call))
+        _DEPTH[0] += 1
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _DEPTH[0] -= 1
+            if blocks:
+                _announce(None)
+        if result is not None and not isinstance(result, int) and hasattr(result, "wait"):
+            return _WatchedWork(result, call)
+        return result
+
+    watched.__watched__ = original
+    watched.__name__ = name
+    watched.__doc__ = original.__doc__
+    return watched
+
+
+@contextlib.contextmanager
+def watching(status_file: str | None = None):
+    """Record every torch.distributed call made inside, and announce blocking ones in `status_file`.
+
+    Both `torch.distributed.X` and `distributed_c10d.X` are replaced (batch_isend_irecv checks its
+    ops against the latter's isend/irecv), and put back on leaving."""
+    global _RECORD, _STATUS
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    saved = []
+    for name in _DATA_ARG:
+        original = getattr(c10d, name, None)
+        if original is None:
+            continue
+        wrapper = _wrap(name, original)
+        for module in (dist, c10d):
+            if getattr(module, name, None) is original:
+                saved.append((module, name, original))
+                setattr(module, name, wrapper)
+    _RECORD, _STATUS = [], status_file
+    _announce(None)
+    try:
+        yield _RECORD
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+        _RECORD, _STATUS = None, None
+
+
+# ---- in the process that runs the check -----------------------------------------------------------
+
+def stalled(status_dir: str, pending: list[int], world: int, stall: float = STALL) -> str | None:
+    """A sentence naming where each unfinished rank waits, when all of them have been blocked in a call
+    for `stall` seconds (a deadlock: none of them can move another); None while any may still move."""
+    now, waiting = time.time(), []
+    for rank in pending:
+        try:
+            with open(os.path.join(status_dir, f"rank{rank}")) as f:
+                line = f.read()
+        except OSError:
+            return None
+        if not line:
+            return None  # computing: it may yet reach the call the others wait in
+        since, what = line.split(" ", 1)
+        if now - float(since) < stall:
+            return None
+        waiting.append(f"rank {rank} waits in {what}")
+    if not waiting:
+        return None
+    done = [r for r in range(world) if r not in pending]
+    if done:
+        waiting.append(f"rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} had returned")
+    return "; ".join(waiting)

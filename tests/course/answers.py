@@ -1,0 +1,95 @@
+"""Grade one answer to one exercise of the course, as the notebook would, without running the notebook.
+
+The corpus of answers (tests/course/test_part*.py) holds, for each exercise, wrong answers a
+learner writes and unusual right ones, as source text. `grade(part, k, source)` builds the
+namespace a learner's cell runs in, from the part's own episode source (notebooks/src):
+
+1. the notebook's definitions: the imports, functions, classes and constants at the top of
+   the code cells before the exercises (not the cells' runs, which train models);
+2. the exercise's reference solution (so helpers it defines, such as Part 10's `pass_along`,
+   are there as in the notebook);
+3. the answer, which replaces what it redefines;
+
+then runs the exercise's check cell there. Functions are defined in a `__main__` namespace with
+their source kept (linecache), so the check sends them to its pooled ranks as source, exactly as
+it sends a notebook's functions. What the check said comes back as a string.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import glob
+import importlib.util
+import itertools
+import linecache
+import os
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SOURCES = os.path.join(ROOT, "notebooks", "src")
+PASSED = "PASSED"
+_COUNTER = itertools.count()
+
+
+@functools.lru_cache(maxsize=None)
+def episode(part: int):
+    """The Episode of notebooks/src/<part>_*.py."""
+    (path,) = glob.glob(os.path.join(SOURCES, f"{part}_*.py"))
+    spec = importlib.util.spec_from_file_location(f"episode_{part}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.EPISODE
+
+
+def _constant(node) -> bool:
+    try:
+        ast.literal_eval(node)
+        return True
+    except ValueError:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def definitions(part: int) -> str:
+    """The notebook's top-level imports, defs, classes and constant assignments, in order."""
+    keep = []
+    for section in episode(part).sections:
+        for cell in section.cells:
+            if cell.kind != "code":
+                continue
+            source = "\n".join("pass  # " + line if line.lstrip().startswith(("%", "!")) else line
+                               for line in cell.source.splitlines())
+            for node in ast.parse(source).body:
+                if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) or (
+                        isinstance(node, ast.Assign) and _constant(node.value)):
+                    keep.append(ast.get_source_segment(source, node))
+    return "\n\n".join(keep)
+
+
+def _exec(source: str, what: str, namespace: dict) -> None:
+    name = f"<{what} {next(_COUNTER)}>"
+    source = textwrap.dedent(source).strip() + "\n"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)  # inspect.getsource works
+    exec(compile(source, name, "exec"), namespace)
+
+
+def namespace(part: int, k: int, source: str) -> dict:
+    """The namespace of the notebook's exercise `k` with `source` run in it."""
+    ns = {"__name__": "__main__"}
+    _exec(definitions(part), f"part {part} definitions", ns)
+    exercise = episode(part).exercises[k - 1]
+    _exec(exercise.solution, f"part {part} exercise {k} solution", ns)
+    _exec(source, f"part {part} exercise {k} answer", ns)
+    return ns
+
+
+def grade(part: int, k: int, source: str) -> str:
+    """What exercise `k`'s check says of `source`: PASSED, or its AssertionError's message.
+    NotImplementedError and any other exception go to the caller."""
+    ns = namespace(part, k, source)
+    try:
+        _exec(episode(part).exercises[k - 1].check, f"part {part} exercise {k} check", ns)
+    except AssertionError as e:
+        return str(e)
+    return PASSED

@@ -1,0 +1,78 @@
+"""The collectives a learner's function calls on its ranks, as a check sees them (series/watch.py),
+and a deadlock said as such, naming the rank and the call it waits in."""
+
+import linecache
+import textwrap
+
+import pytest
+import torch.distributed as dist
+
+from ultrascale.series.ranks import on_ranks
+from ultrascale.series.watch import Call, kinds, sent
+from ultrascale.testing.harness import run_distributed
+
+
+def notebook(source: str) -> dict:
+    """Functions defined as a notebook cell defines them (in __main__, their source kept)."""
+    source = textwrap.dedent(source)
+    name = f"<cell {abs(hash(source))}>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    ns = {"__name__": "__main__"}
+    exec(compile(source, name, "exec"), ns)
+    return ns
+
+
+CELL = notebook('''
+import torch
+import torch.distributed as dist
+from torch.distributed import all_gather_into_tensor
+
+def talk():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.ones(4) * rank
+    dist.all_reduce(x)                                        # 16 B over both ranks
+    out = torch.empty(8)
+    all_gather_into_tensor(out, torch.ones(4))                # bound by name: watched too
+    received = torch.empty(2, dtype=torch.float64)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2, dtype=torch.float64), (rank + 1) % world),
+                                    dist.P2POp(dist.irecv, received, (rank - 1) % world)])
+    for w in works:
+        w.wait()
+    dist.all_to_all_single(torch.empty(6), torch.ones(6))
+    return x.sum().item()
+
+def stuck():
+    if dist.get_rank() == 1:
+        dist.all_reduce(torch.ones(3))
+    return 0
+''')
+
+
+def test_each_ranks_calls_are_recorded_with_their_group_bytes_and_peer():
+    calls = []
+    assert on_ranks(2, CELL["talk"], calls=calls) == [4.0, 4.0]
+    for rank, mine in enumerate(calls):
+        assert kinds(mine) == ["all_reduce", "all_gather_single", "isend", "irecv", "all_to_all_single"]
+        assert mine[0] == Call("all_reduce", (0, 1), 16, "SUM")
+        assert mine[1] == Call("all_gather_into_tensor", (0, 1), 16)
+        assert mine[2] == Call("isend", (0, 1), 16, peer=1 - rank)
+        assert mine[3] == Call("irecv", (0, 1), 16, peer=1 - rank)
+        assert sent(mine) == 16
+        assert str(mine[0]) == "all_reduce SUM over ranks [0, 1], 16 B"
+        assert str(mine[2]) == f"isend to rank {1 - rank}, 16 B"
+    # Watched during the call, and nothing left wrapped on the ranks after it (the pool runs other work).
+    assert on_ranks(2, _wrapped) == [True, True]
+    assert run_distributed(2, _wrapped) == [False, False]
+
+
+def _wrapped():
+    return hasattr(dist.all_reduce, "__watched__") and hasattr(dist.distributed_c10d.isend, "__watched__")
+
+
+def test_a_deadlock_names_the_rank_and_the_collective_it_waits_in_before_the_timeout():
+    # The timeout is far away: only the watch (every unfinished rank blocked for STALL seconds) can
+    # say "deadlock" in time, and the message says where.
+    with pytest.raises(AssertionError, match=r"^deadlock on 2 ranks: rank 1 waits in all_reduce SUM over ranks "
+                                             r"\[0, 1\], 12 B; rank 0 had returned\. Every rank must call"):
+        on_ranks(2, CELL["stuck"], timeout=200)
+    assert on_ranks(2, CELL["talk"]) == [4.0, 4.0]  # the pool is started again for the next call
