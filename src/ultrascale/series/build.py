@@ -2,7 +2,10 @@
 
 Layout, top to bottom: title, overview, references (if any), the sections,
 the two exercises (instructions, starter cell, check cell), the quiz (one cell
-per question, the answer inside a collapsed <details> block).
+per question, options only) and, last, the answers: one "## Answers" cell with
+each question's letter, the option and why it is right. The series' format
+puts the answers at the end, so a learner answers every question before
+seeing any answer.
 
 Every cell carries `metadata.ultrascale.role` so outline.py can read the
 notebook back exactly; cell ids are derived from the role, so building the
@@ -40,6 +43,8 @@ GPU_GUARD = "if torch.cuda.is_available():  # this cell needs a GPU; on a CPU it
 GPU_ELSE = ('else:\n    print("Skipped: this cell needs a GPU (on Colab: Runtime > Change runtime type > GPU).")')
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 LETTERS = "ABCDEFGH"
+QUIZ_INTRO = "Pick an answer for each question; the answers are at the end of the notebook."
+ANSWERS_INTRO = "The quiz's answers: the right option for each question, and why."
 
 
 def check_function(k: int) -> str:
@@ -113,11 +118,20 @@ def hints_source(k: int, ex) -> str:
 
 def question_source(i: int, q) -> str:
     options = "\n".join(f"- {LETTERS[j]}) {o}" for j, o in enumerate(q.options))
+    return f"**Question {i}.** {q.question}\n\n{options}"
+
+
+def answer_line(i: int, q) -> str:
+    """'**Question 1: B)** the option. Why it is right.' (quiz.py reads it back)."""
     letter = LETTERS[q.answer] if 0 <= q.answer < len(q.options) else "?"
     right = q.options[q.answer] if 0 <= q.answer < len(q.options) else ""
     why = f" {q.why}" if q.why else ""
-    return (f"**Question {i}.** {q.question}\n\n{options}\n\n"
-            f"<details>\n<summary>Answer</summary>\n\n**{letter})** {right}.{why}\n\n</details>")
+    return f"**Question {i}: {letter})** {right}.{why}"
+
+
+def answers_source(quiz) -> str:
+    lines = "\n\n".join(answer_line(i, q) for i, q in enumerate(quiz, 1))
+    return f"## Answers\n\n{ANSWERS_INTRO}\n\n{lines}"
 
 
 def _md(source: str, cell_id: str, **meta):
@@ -174,10 +188,10 @@ def build_notebook(ep: Episode) -> nbformat.NotebookNode:
         cells.append(_code(check_cell_source(k, ex.check), f"ex{k}-check", role="check", exercise=k,
                            check=ex.check))
         cells.append(_md(hints_source(k, ex), f"ex{k}-hints", role="hints", exercise=k, hints=list(ex.hints)))
-    cells.append(_md("## Quiz\n\nPick an answer for each question, then open *Answer* to see if you were right.",
-                     "quiz", role="quiz"))
+    cells.append(_md(f"## Quiz\n\n{QUIZ_INTRO}", "quiz", role="quiz"))
     for i, q in enumerate(ep.quiz, 1):
         cells.append(_md(question_source(i, q), f"quiz-{i}", role="question", question=i))
+    cells.append(_md(answers_source(ep.quiz), "answers", role="answers"))
     meta = {
         "kernelspec": dict(KERNELSPEC),
         "language_info": {"name": "python"},
