@@ -63,6 +63,8 @@ def describe_cell(nb, i) -> str:
         return f"cell {i} (exercise {meta.get('exercise')} {what})"
     if role == "question":
         return f"cell {i} (quiz question {meta.get('question')})"
+    if role == "answers":
+        return f"cell {i} (the quiz's answers, at the end)"
     return f"cell {i} ({role})" if role else f"cell {i}"
 
 
