@@ -36,9 +36,18 @@ from nbformat import v4
 from ultrascale.series.episode import Episode
 
 GPU_TAG = "needs-gpu"  # notebooks built before the guard; the runner still skips such cells on CPU
-# Where the notebooks are published: the Colab badge and the install cell point here.
-REPOSITORY = "ultrascale-playbook/ultrascale"
+# Where the project is published: the one place its address is written. The Colab badge and the
+# install cell are built from it, and every link to the repository in README.md, docs/ and the
+# notebooks must agree with it and point to a file of this tree (tests/test_repository_links.py).
+REPOSITORY = "ultrascale-playbook/ultrascale"  # owner/name on GitHub
 BRANCH = "main"
+COLAB_GITHUB = "https://colab.research.google.com/github/"
+
+
+def repository_url(path: str = "") -> str:
+    """https://github.com/OWNER/NAME, or the page of `path` (relative to the repository root) on BRANCH."""
+    base = f"https://github.com/{REPOSITORY}"
+    return f"{base}/blob/{BRANCH}/{path}" if path else base
 GPU_GUARD = "if torch.cuda.is_available():  # this cell needs a GPU; on a CPU it says so and moves on"
 GPU_ELSE = ('else:\n    print("Skipped: this cell needs a GPU (on Colab: Runtime > Change runtime type > GPU).")')
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
@@ -74,7 +83,8 @@ def check_cell_source(k: int, check: str) -> str:
 
 
 def colab_badge(filename: str) -> str:
-    url = f"https://colab.research.google.com/github/{REPOSITORY}/blob/{BRANCH}/notebooks/{filename}"
+    # Colab opens a file of a GitHub repository at the same path under its own host.
+    url = repository_url(f"notebooks/{filename}").replace("https://github.com/", COLAB_GITHUB)
     return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
 
 
@@ -88,7 +98,7 @@ def setup_source() -> str:
         "\n"
         "if importlib.util.find_spec(\"ultrascale\") is None:\n"
         f"    subprocess.check_call([sys.executable, \"-m\", \"pip\", \"install\", \"-q\",\n"
-        f"                           \"ultrascale[series] @ git+https://github.com/{REPOSITORY}@{BRANCH}\"])\n"
+        f"                           \"ultrascale[series] @ git+{repository_url()}@{BRANCH}\"])\n"
         "import ultrascale\n"
         "\n"
         "print(\"ultrascale\", ultrascale.__version__)\n"
