@@ -44,6 +44,12 @@ test: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache
 
+# The course's notebooks rebuilt from notebooks/src and run on this CPU, written with their outputs
+# (docs/series.md); `$(BIN)/python notebooks/src/build.py 1 5` for some parts only.
+.PHONY: notebooks
+notebooks: $(STAMP)
+	$(BIN)/python notebooks/src/build.py
+
 # Every valid combination of the engine's features (about 5 x 10^4 cells, ~1-2 s each on 2 cores),
 # each against one process, with inductor for the compiled ones; resumable (cells already in the
 # results file are skipped) and shardable over machines: make matrix SHARD=2/4. `make test` runs the

@@ -113,11 +113,21 @@ def test_build_is_a_valid_deterministic_notebook_with_hidden_solutions(tiny):
     for k, c in enumerate(checks, 1):  # the check is defined, then called where a failure only prints
         assert f"def check_exercise_{k}():" in c.source and f"try:\n    check_exercise_{k}()" in c.source
     quiz = [c.source for c in nb.cells if c.metadata["ultrascale"].get("role") == "question"]
-    assert len(quiz) == 3 and all("<details>" in q and "</details>" in q for q in quiz)
-    # The answer and its why are inside the collapsed block, not before it.
-    first = quiz[0]
-    assert "ReduceOp.SUM is the default." in first.split("<details>")[1]
-    assert "ReduceOp.SUM is the default." not in first.split("<details>")[0]
+    assert len(quiz) == 3 and not any("ReduceOp.SUM is the default." in q or "<details>" in q for q in quiz)
+
+
+def test_the_answers_are_together_at_the_end_of_the_notebook(tiny):
+    nb = build_notebook(Episode.from_dict(tiny))
+    roles = [c.metadata["ultrascale"]["role"] for c in nb.cells]
+    assert roles[-5:] == ["quiz", "question", "question", "question", "answers"]  # the questions, then the answers
+    answers = nb.cells[-1].source
+    assert answers.startswith("## Answers\n")
+    # Each answer: the question's number, the letter, the option's text and the why, in order.
+    assert re.findall(r"^\*\*Question (\d): ([A-H])\)\*\* (.*)$", answers, flags=re.M) == [
+        ("1", "A", "The sum over all ranks. ReduceOp.SUM is the default."),
+        ("2", "B", "4. The sum has one term per rank."),
+        ("3", "A", "3. 12 / 4 = 3."),
+    ]
 
 
 def test_a_built_notebook_reads_back_into_the_same_episode(tiny):
@@ -224,6 +234,75 @@ def test_each_broken_rule_is_named(tiny, tmp_path, name, breakage, rule):
     assert rule in rules(found), [v.line() for v in found]
     # Breaking one rule breaks nothing else.
     assert set(rules(found)) == {rule}, [v.line() for v in found]
+
+
+def _answers_under_questions(nb):
+    """The layout the format replaced: each answer in a <details> block under its question, none at the end."""
+    answers = [c for c in nb.cells if c.metadata["ultrascale"].get("role") == "answers"][0]
+    lines = re.findall(r"^\*\*Question \d: (.*)$", answers.source, flags=re.M)
+    nb.cells.remove(answers)
+    questions = [c for c in nb.cells if c.metadata["ultrascale"].get("role") == "question"]
+    for c, line in zip(questions, lines):
+        c.source += f"\n\n<details>\n<summary>Answer</summary>\n\n**{line}\n\n</details>"
+    return nb
+
+
+def _quiz_lines(tmp_path, nb):
+    found = lint_file(write(tmp_path, "6_averages.ipynb", nb))
+    assert set(rules(found)) == {"quiz-answer"}, [v.line() for v in found]
+    return [v.line() for v in found]
+
+
+def test_an_answer_under_its_question_is_one_line_per_question(tiny, tmp_path):
+    nb = _answers_under_questions(build_notebook(Episode.from_dict(tiny)))
+    lines = _quiz_lines(tmp_path, nb)
+    assert len(lines) == 3
+    for i, line in enumerate(lines, 1):
+        assert f"quiz-answer: question {i}'s answer is under the question; the answers go together at the end " \
+               f"of the notebook: move it to the '## Answers' section after the last question" in line
+    assert read_episode(nb) == Episode.from_dict(tiny)  # still read, wherever the answers are
+
+
+def test_a_missing_answer_is_named(tiny, tmp_path):
+    nb = build_notebook(Episode.from_dict(tiny))
+    nb.cells[-1].source = re.sub(r"\n\n\*\*Question 2: .*", "", nb.cells[-1].source)
+    end = len(nb.cells) - 1
+    assert _quiz_lines(tmp_path, nb) == [
+        f"{tmp_path / '6_averages.ipynb'}: cell {end}: quiz-answer: question 2 has no answer in the answers at "
+        f"the end; add it: the letter, the option and a one-line why"]
+
+
+def test_no_answers_at_all_is_one_line(tiny, tmp_path):
+    nb = build_notebook(Episode.from_dict(tiny))
+    nb.cells.pop()
+    [line] = _quiz_lines(tmp_path, nb)
+    assert "the quiz has no answers at the end; after the last question add '## Answers'" in line
+
+
+@pytest.mark.parametrize("move", ["before the last question", "a cell after them"])
+def test_answers_not_at_the_end_are_one_line(tiny, tmp_path, move):
+    nb = build_notebook(Episode.from_dict(tiny))
+    if move == "before the last question":
+        nb.cells.insert(len(nb.cells) - 2, nb.cells.pop())
+        after = len(nb.cells) - 1
+    else:
+        nb.cells.append(nbformat.v4.new_markdown_cell("## Summary\n\nWhat we saw."))
+        after = len(nb.cells) - 1
+    [line] = _quiz_lines(tmp_path, nb)
+    assert f"the answers are not at the end of the notebook: cell {after} comes after them" in line
+
+
+def test_a_hand_written_answer_key_at_the_end_is_read(tmp_path):
+    v4 = nbformat.v4
+    nb = v4.new_notebook(cells=[
+        v4.new_markdown_cell("# Ultra-Scale Playbook: Part 6 - Averages"),
+        v4.new_markdown_cell("## Quiz\n\n1. What does all_reduce compute?\n   a) A max\n   b) A sum\n\n"
+                             "2. How many ranks?\n   a) 2\n   b) 4"),
+        v4.new_markdown_cell("## Answers\n\n1. b) A sum. SUM is the default.\n\n"
+                             "<details>\n<summary>Question 2</summary>\n\nA) 2. Two were started.\n\n</details>"),
+    ])
+    ep = read_episode(nb)
+    assert [(q.answer, q.why) for q in ep.quiz] == [(1, "SUM is the default."), (0, "Two were started.")]
 
 
 def test_collectives_run_through_on_ranks_need_no_process_group_in_the_kernel(tiny, tmp_path):

@@ -12,6 +12,7 @@ import copy
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -149,6 +150,8 @@ def test_valid_episode_is_written_and_the_request_is_what_it_should_be(llm, work
     assert "call 1:" in r.stderr and "1,234 prompt + 567 completion tokens" in r.stderr
     assert "1 call(s)" in r.stderr and "1,234 prompt + 567 completion tokens in all" in r.stderr
     assert lint_file(str(work / "out" / "6_averages.ipynb")) == []
+    nb = json.loads((work / "out" / "6_averages.ipynb").read_text())
+    assert "".join(nb["cells"][-1]["source"]).startswith("## Answers\n")  # the quiz's answers come last
     (request,) = llm.requests
     assert request["model"] == "fake-model"
     assert request["response_format"]["type"] == "json_schema"  # structured output first
@@ -311,13 +314,21 @@ def test_import_a_fenced_answer_and_a_notebook(work, cli):
     r = cli("notebook", "import", "answer.md", "--out", "out")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip() == "wrote out/6_averages.ipynb"
-    # A notebook pasted back (e.g. edited in Jupyter) goes through the same gate, under its number.
-    (work / "chat.ipynb").write_text((work / "out" / "6_averages.ipynb").read_text())
+    # A notebook pasted back (e.g. edited in Jupyter) goes through the same gate, under its number; one
+    # that answers each question under it comes out with the answers together at the end.
+    chat = json.loads((work / "out" / "6_averages.ipynb").read_text())
+    answers = re.findall(r"^\*\*Question \d: (.*)$", "".join(chat["cells"].pop()["source"]), flags=re.M)
+    questions = [c for c in chat["cells"] if c["metadata"]["ultrascale"].get("role") == "question"]
+    for c, answer in zip(questions, answers):
+        c["source"] = "".join(c["source"]) + f"\n\n<details>\n<summary>Answer</summary>\n\n**{answer}\n</details>"
+    (work / "chat.ipynb").write_text(json.dumps(chat))
     r = cli("notebook", "import", "chat.ipynb", "--episode", "8", "--out", "out")
     assert r.returncode == 0, r.stdout + r.stderr
     assert files(work / "out") == ["6_averages.ipynb", "8_averages.ipynb"]
     nb = json.loads((work / "out" / "8_averages.ipynb").read_text())
     assert "".join(nb["cells"][0]["source"]).startswith("# Ultra-Scale Playbook: Part 8 - Averages")
+    assert re.findall(r"^\*\*Question \d: (.*)$", "".join(nb["cells"][-1]["source"]), flags=re.M) == answers
+    assert not any("<details>" in "".join(c["source"]) for c in nb["cells"][-5:])
 
 
 def test_import_refuses_what_breaks_the_format(work, cli):

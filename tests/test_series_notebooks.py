@@ -1,15 +1,14 @@
-"""The course notebooks themselves: in step with their sources, conforming, and runnable on a CPU.
+"""The course notebooks themselves: in step with their sources, committed with the outputs of a run
+of those sources, conforming, and runnable on a CPU.
 
-Each notebook is executed once (kernels are slow to start), with a few common wrong
-answers to its exercises appended: each check must say what is wrong with them, in
-words that point at the fix.
+Each notebook is executed once (kernels are slow to start); what it prints is compared with
+the lines of tests/notebook_cases/N_topic.py.
 """
 
 import glob
 import importlib.util
 import json
 import os
-import textwrap
 
 import nbformat
 import pytest
@@ -19,11 +18,13 @@ from ultrascale.series.episode import Episode
 from ultrascale.series.execute import run_notebook
 from ultrascale.series.lint import lint_file
 from ultrascale.series.outline import read_episode
+from ultrascale.series.outputs import outputs_problem, without_outputs
 from printed import Close, printed_in
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 
+REGENERATE = "python notebooks/src/build.py"  # builds, runs and writes a notebook with its outputs
 CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "notebook_cases")
 
 
@@ -35,50 +36,33 @@ NOTEBOOK_FILES = sorted(glob.glob(os.path.join(NOTEBOOKS, "[0-9]*_*.ipynb")), ke
 
 
 def cases(path) -> dict:
-    """tests/notebook_cases/N_topic.py: MISTAKES (exercise, label, what the check must say, code)
-    and PRINTED (lines the notebook must print from its own runs)."""
+    """tests/notebook_cases/N_topic.py: PRINTED, the lines the notebook must print from its own runs."""
     case = os.path.join(CASES, _stem(path) + ".py")
     if not os.path.exists(case):
-        return {"MISTAKES": [], "PRINTED": []}
+        return {"PRINTED": []}
     spec = importlib.util.spec_from_file_location(f"case_{_stem(path)}", case)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return {"MISTAKES": list(getattr(module, "MISTAKES", [])), "PRINTED": list(getattr(module, "PRINTED", []))}
-
-
-def _probe(k, label):
-    return (f"\ntry:\n    check_exercise_{k}()\nexcept AssertionError as problem:\n"
-            f"    print({label!r}, 'SAYS', problem)\nelse:\n    print({label!r}, 'PASSED')\n")
+    return {"PRINTED": list(getattr(module, "PRINTED", []))}
 
 
 class _Runs(dict):
-    """Each notebook run once, on first use, with its mistakes appended when their test is selected:
-    path -> (notebook, report, {label: what the check said}). Lazy, so `-k 1_scaling` runs one
-    notebook only."""
+    """Each notebook run once, on first use: path -> (notebook, report). Lazy, so `-k 1_scaling` runs
+    one notebook only."""
 
-    def __init__(self, tmp, with_mistakes):
+    def __init__(self, tmp):
         super().__init__()
-        self.tmp, self.with_mistakes = tmp, with_mistakes
+        self.tmp = tmp
 
     def __missing__(self, path):
-        mistakes = cases(path)["MISTAKES"] if self.with_mistakes else []
         nb = nbformat.read(path, as_version=4)
-        extended = nbformat.from_dict(json.loads(json.dumps(nb)))
-        first = len(extended.cells)
-        for k, label, _, source in mistakes:
-            extended.cells.append(nbformat.v4.new_code_cell(textwrap.dedent(source).strip() + "\n" + _probe(k, label)))
-        report = run_notebook(extended, timeout=300, cwd=str(self.tmp.mktemp("run")))
-        said = {label: report.outputs.get(first + i, "") for i, (_, label, _, _) in enumerate(mistakes)}
-        self[path] = (nb, report, said)
+        self[path] = (nb, run_notebook(without_outputs(nb), timeout=300, cwd=str(self.tmp.mktemp("run"))))
         return self[path]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, request):
-    # The runs again under another kernel set (`-m rounding`) leave the wrong answers out: what a
-    # check says of a mistake is not a figure a CPU rounds.
-    selected = {item.originalname for item in request.session.items}
-    return _Runs(tmp_path_factory, with_mistakes="test_checks_say_what_is_wrong" in selected)
+def runs(tmp_path_factory):
+    return _Runs(tmp_path_factory)
 
 
 def _measures(path) -> bool:
@@ -108,9 +92,25 @@ def test_the_notebooks_are_built_from_their_sources():
         ep = load_source(src)
         assert isinstance(ep, Episode)
         with open(os.path.join(NOTEBOOKS, ep.filename), encoding="utf-8") as f:
-            text = f.read()
-        assert text == notebook_text(build_notebook(ep)), f"rebuild {ep.filename}: python notebooks/src/build.py"
-        assert read_episode(json.loads(text), ep.filename) == ep  # the notebook holds the whole episode
+            nb = json.load(f)
+        # The cells as built; outputs (and the record of their run) are the next test's.
+        assert notebook_text(without_outputs(nb)) == notebook_text(build_notebook(ep)), \
+            f"rebuild {ep.filename}: {REGENERATE} {ep.number}"
+        assert read_episode(nb, ep.filename) == ep  # the notebook holds the whole episode
+
+
+def test_the_notebooks_carry_the_outputs_of_a_run_of_their_sources():
+    # GitHub and Colab show the committed outputs before anything runs: they must be those of a run
+    # of today's source, untouched, top to bottom. One line per notebook that is not.
+    stale = []
+    for src in sorted(glob.glob(os.path.join(NOTEBOOKS, "src", "[0-9]*_*.py")),
+                      key=lambda s: int(os.path.basename(s).split("_")[0])):
+        ep = load_source(src)
+        with open(os.path.join(NOTEBOOKS, ep.filename), encoding="utf-8") as f:
+            problem = outputs_problem(json.load(f), build_notebook(ep))
+        if problem:
+            stale.append(f"notebooks/{ep.filename}: {problem}; run {REGENERATE} {ep.number}")
+    assert not stale, "\n".join(stale)
 
 
 def test_the_notebooks_conform(cli):
@@ -123,7 +123,7 @@ def test_the_notebooks_conform(cli):
 
 @pytest.mark.parametrize("path", BY_KERNELS)
 def test_runs_top_to_bottom_on_cpu_and_the_exercises_are_sound(runs, path):
-    nb, report, _ = runs[path]
+    nb, report = runs[path]
     print(f"{_stem(path)}: {len(report.executed)} code cells in {report.seconds:.1f} s")
     assert report.failure is None, report.failure
     # Run All in any Jupyter: no cell relies on a tag only our runner reads; GPU cells guard themselves.
@@ -142,7 +142,7 @@ def test_runs_top_to_bottom_on_cpu_and_the_exercises_are_sound(runs, path):
 
 @pytest.mark.parametrize("path", BY_KERNELS)
 def test_the_notebook_prints_what_its_runs_measured(runs, path):
-    _, report, _ = runs[path]
+    _, report = runs[path]
     printed = "".join(report.outputs.values())
     for line in cases(path)["PRINTED"]:
         assert printed_in(line, printed), line.explain(printed) if isinstance(line, Close) else line
@@ -184,14 +184,6 @@ def _umask():
     return mask
 
 
-@pytest.mark.parametrize("path, label, says", [(p, m[1], m[2]) for p in NOTEBOOK_FILES for m in cases(p)["MISTAKES"]],
-                         ids=lambda v: _stem(v) if str(v).endswith(".ipynb") else str(v)[:30])
-def test_checks_say_what_is_wrong(runs, path, label, says):
-    said = runs[path][2][label]
-    assert f"{label} SAYS" in said, said
-    assert says in said, said
-
-
 @pytest.fixture
 def cli(capsys):
     """`ultrascale ARGS` in this process: (exit status, stdout)."""
@@ -224,6 +216,44 @@ def test_a_gpu_cell_guards_itself_so_run_all_goes_through_on_a_cpu(tmp_path, cli
     code, out = cli("notebook", "run", str(path))
     assert code == 0, out
     assert f"{path}: ok," in out and "skipped" not in out
+
+
+def test_a_notebook_is_written_with_its_outputs_and_says_when_they_are_stale(tmp_path, cli):
+    # The gate's run is kept: printed lines and a chart, PNG at a modest size, and a record of what ran.
+    with open(os.path.join(os.path.dirname(__file__), "data", "tiny_episode.json")) as f:
+        d = json.load(f)
+    d["sections"][0]["cells"].append({"kind": "code", "source": (
+        "import matplotlib.pyplot as plt\n\nplt.plot(values, marker='o')\nplt.title('one value per rank')\nplt.show()")})
+    (tmp_path / "answer.json").write_text(json.dumps(d))
+    code, out = cli("notebook", "import", str(tmp_path / "answer.json"), "--out", str(tmp_path), "--no-progress")
+    assert code == 0, out
+    with open(tmp_path / "6_averages.ipynb", encoding="utf-8") as f:
+        text = f.read()
+    nb, ep = json.loads(text), Episode.from_dict(d)
+    built = build_notebook(ep)
+    assert outputs_problem(nb, built) is None
+    assert read_episode(nb) == ep  # outputs are not content
+    code_cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert [c["execution_count"] for c in code_cells] == list(range(1, len(code_cells) + 1))
+    printed = "".join("".join(o.get("text", "")) for c in code_cells for o in c["outputs"])
+    assert "sum 12.0 average 3.0" in printed and "Exercise 1: not done yet" in printed
+    [png] = [o["data"]["image/png"] for c in code_cells for o in c["outputs"] if "image/png" in o.get("data", {})]
+    assert 2_000 < len(png) < 60_000  # base64 of a 512 x 384 chart
+    # Nothing a kernel session adds: no timings, no kernel version.
+    assert nb["metadata"]["language_info"] == {"name": "python"}
+    assert not any("execution" in c["metadata"] for c in code_cells)
+    # Stale, edited, never run: each says so.
+    d["sections"][0]["cells"][0]["source"] += " Changed."
+    assert "stale" in outputs_problem(nb, build_notebook(Episode.from_dict(d)))
+    edited = json.loads(text)
+    edited["cells"][next(i for i, c in enumerate(edited["cells"]) if c["outputs" if c["cell_type"] == "code"
+                         else "source"] and "sum 12.0" in json.dumps(c.get("outputs")))]["outputs"][0]["text"] = "4.0"
+    assert outputs_problem(edited, built) == "its outputs were edited after the run"
+    edited = json.loads(text)
+    code_cells = [c for c in edited["cells"] if c["cell_type"] == "code"]
+    code_cells[1]["source"] = "print('something else')"
+    assert outputs_problem(edited, built) == "its cells were edited after the run"
+    assert outputs_problem(json.loads(notebook_text(built)), built) == "its outputs are missing (it was never run)"
 
 
 def test_run_command_reports_the_failing_cell(tmp_path, cli):

@@ -96,11 +96,11 @@ def test_part4_seed_violations(part4):
         # The exercises are instructions only: nothing to write in, no solution, no check.
         ("exercise-starter", ex1), ("exercise-solution", ex1), ("exercise-check", ex1),
         ("exercise-starter", ex2), ("exercise-solution", ex2), ("exercise-check", ex2),
-        ("quiz-answer", quiz),  # the answers are ticked in plain sight
+        ("quiz-answer", quiz),  # the answers are ticked under their questions, not given at the end
     }
     assert found == expected
     quiz_lines = [v for v in lint_notebook(part4, "4_data_parallelism.ipynb") if v.rule == "quiz-answer"]
-    assert len(quiz_lines) == 4  # one per question
+    assert len(quiz_lines) == 4 and all("answer is under the question" in v.message for v in quiz_lines)
 
 
 def test_part5_seed_violations(part5):
@@ -113,10 +113,16 @@ def test_part5_seed_violations(part5):
         # "# Your solution here" followed by the whole solution, printed.
         ("solution-visible", code1), ("exercise-solution", code1), ("exercise-check", ex1),
         ("solution-visible", code2), ("exercise-solution", code2), ("exercise-check", ex2),
-        ("quiz-answer", answers),  # an "Answers:" list under the questions, no why
+        ("quiz-answer", answers),  # an "Answers:" list after the questions, no why, then a Summary
     }
     assert found == expected
-    assert sum(v.rule == "quiz-answer" for v in violations) == 4
+    quiz = [v.message for v in violations if v.rule == "quiz-answer"]
+    assert sum("has no why" in m for m in quiz) == 4  # one per question
+    # The key follows the questions, but "## Summary" follows the key: the answers are not at the end.
+    summary = cell_with(part5, "## Summary")
+    assert [m for m in quiz if "not at the end" in m] == [
+        f"the answers are not at the end of the notebook: cell {summary} comes after them; move the "
+        f"'## Answers' section to the end, after the last question"]
 
 
 def test_part4_seed_does_not_run_on_a_cpu(part4, tmp_path):

@@ -2,7 +2,10 @@
 
 Layout, top to bottom: title, overview, references (if any), the sections,
 the two exercises (instructions, starter cell, check cell), the quiz (one cell
-per question, the answer inside a collapsed <details> block).
+per question, options only) and, last, the answers: one "## Answers" cell with
+each question's letter, the option and why it is right. The series' format
+puts the answers at the end, so a learner answers every question before
+seeing any answer.
 
 Every cell carries `metadata.ultrascale.role` so outline.py can read the
 notebook back exactly; cell ids are derived from the role, so building the
@@ -33,13 +36,24 @@ from nbformat import v4
 from ultrascale.series.episode import Episode
 
 GPU_TAG = "needs-gpu"  # notebooks built before the guard; the runner still skips such cells on CPU
-# Where the notebooks are published: the Colab badge and the install cell point here.
-REPOSITORY = "ultrascale-playbook/ultrascale"
+# Where the project is published: the one place its address is written. The Colab badge and the
+# install cell are built from it, and every link to the repository in README.md, docs/ and the
+# notebooks must agree with it and point to a file of this tree (tests/test_repository_links.py).
+REPOSITORY = "ultrascale-playbook/ultrascale"  # owner/name on GitHub
 BRANCH = "main"
+COLAB_GITHUB = "https://colab.research.google.com/github/"
+
+
+def repository_url(path: str = "") -> str:
+    """https://github.com/OWNER/NAME, or the page of `path` (relative to the repository root) on BRANCH."""
+    base = f"https://github.com/{REPOSITORY}"
+    return f"{base}/blob/{BRANCH}/{path}" if path else base
 GPU_GUARD = "if torch.cuda.is_available():  # this cell needs a GPU; on a CPU it says so and moves on"
 GPU_ELSE = ('else:\n    print("Skipped: this cell needs a GPU (on Colab: Runtime > Change runtime type > GPU).")')
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 LETTERS = "ABCDEFGH"
+QUIZ_INTRO = "Pick an answer for each question; the answers are at the end of the notebook."
+ANSWERS_INTRO = "The quiz's answers: the right option for each question, and why."
 
 
 def check_function(k: int) -> str:
@@ -69,7 +83,8 @@ def check_cell_source(k: int, check: str) -> str:
 
 
 def colab_badge(filename: str) -> str:
-    url = f"https://colab.research.google.com/github/{REPOSITORY}/blob/{BRANCH}/notebooks/{filename}"
+    # Colab opens a file of a GitHub repository at the same path under its own host.
+    url = repository_url(f"notebooks/{filename}").replace("https://github.com/", COLAB_GITHUB)
     return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
 
 
@@ -83,7 +98,7 @@ def setup_source() -> str:
         "\n"
         "if importlib.util.find_spec(\"ultrascale\") is None:\n"
         f"    subprocess.check_call([sys.executable, \"-m\", \"pip\", \"install\", \"-q\",\n"
-        f"                           \"ultrascale[series] @ git+https://github.com/{REPOSITORY}@{BRANCH}\"])\n"
+        f"                           \"ultrascale[series] @ git+{repository_url()}@{BRANCH}\"])\n"
         "import ultrascale\n"
         "\n"
         "print(\"ultrascale\", ultrascale.__version__)\n"
@@ -113,11 +128,20 @@ def hints_source(k: int, ex) -> str:
 
 def question_source(i: int, q) -> str:
     options = "\n".join(f"- {LETTERS[j]}) {o}" for j, o in enumerate(q.options))
+    return f"**Question {i}.** {q.question}\n\n{options}"
+
+
+def answer_line(i: int, q) -> str:
+    """'**Question 1: B)** the option. Why it is right.' (quiz.py reads it back)."""
     letter = LETTERS[q.answer] if 0 <= q.answer < len(q.options) else "?"
     right = q.options[q.answer] if 0 <= q.answer < len(q.options) else ""
     why = f" {q.why}" if q.why else ""
-    return (f"**Question {i}.** {q.question}\n\n{options}\n\n"
-            f"<details>\n<summary>Answer</summary>\n\n**{letter})** {right}.{why}\n\n</details>")
+    return f"**Question {i}: {letter})** {right}.{why}"
+
+
+def answers_source(quiz) -> str:
+    lines = "\n\n".join(answer_line(i, q) for i, q in enumerate(quiz, 1))
+    return f"## Answers\n\n{ANSWERS_INTRO}\n\n{lines}"
 
 
 def _md(source: str, cell_id: str, **meta):
@@ -174,10 +198,10 @@ def build_notebook(ep: Episode) -> nbformat.NotebookNode:
         cells.append(_code(check_cell_source(k, ex.check), f"ex{k}-check", role="check", exercise=k,
                            check=ex.check))
         cells.append(_md(hints_source(k, ex), f"ex{k}-hints", role="hints", exercise=k, hints=list(ex.hints)))
-    cells.append(_md("## Quiz\n\nPick an answer for each question, then open *Answer* to see if you were right.",
-                     "quiz", role="quiz"))
+    cells.append(_md(f"## Quiz\n\n{QUIZ_INTRO}", "quiz", role="quiz"))
     for i, q in enumerate(ep.quiz, 1):
         cells.append(_md(question_source(i, q), f"quiz-{i}", role="question", question=i))
+    cells.append(_md(answers_source(ep.quiz), "answers", role="answers"))
     meta = {
         "kernelspec": dict(KERNELSPEC),
         "language_info": {"name": "python"},

@@ -201,8 +201,10 @@ def cmd_build(args) -> int:
     if os.path.isdir(args.output):
         raise ConfigError(f"-o {args.output} is a directory; give the notebook's file name")
     check_writable(os.path.dirname(os.path.abspath(args.output)), flag="-o")
+    from ultrascale.series.outputs import without_outputs
+
     nb = _read_notebook(args.file)
-    out = solved(nb)
+    out = solved(without_outputs(nb))  # the outputs are those of the starters: not the solved notebook's
     n = sum(1 for c in out.cells if c.get("metadata", {}).get("ultrascale", {}).get("role") == "starter")
     if n == 0:
         raise ConfigError(f"{args.file} has no exercise with a reference solution in its metadata")

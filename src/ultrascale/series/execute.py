@@ -15,6 +15,10 @@ One kernel per notebook (kernels are slow to start):
 `grade_notebook` is the learner's side: run the notebook as it is, keep going past
 a failing cell, then call each exercise's check on what the learner wrote.
 
+The notebook's own cells keep what they printed (`RunReport.notebook`): outputs.py
+writes them into the committed course. Charts come out as the inline backend's PNGs
+at a modest resolution (FIGURE_DPI), and no timing is recorded in the cells.
+
 The kernel is this interpreter (`sys.executable`), whatever kernelspec named
 "python3" a user's Jupyter setup has: the notebook runs against the torch and
 ultrascale this command was installed with.
@@ -31,6 +35,8 @@ from dataclasses import dataclass, field
 from ultrascale.errors import ConfigError
 from ultrascale.series.build import GPU_TAG, check_function
 from ultrascale.series.outline import outline
+
+FIGURE_DPI = 80  # a chart of matplotlib's default size is 512 x 384 pixels, tens of kB in the .ipynb
 
 
 @dataclass
@@ -76,6 +82,7 @@ class RunReport:
     outputs: dict = field(default_factory=dict)  # cell index -> text the cell printed
     errors: list[CellError] = field(default_factory=list)  # every failing cell, when asked to keep going
     grades: list = field(default_factory=list)  # Grade per exercise, when grading
+    notebook: object = None  # the notebook's own cells with their outputs, once run
 
     @property
     def ok(self) -> bool:
@@ -152,9 +159,12 @@ def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | N
     report = RunReport()
     start = time.perf_counter()
     stderr = tempfile.TemporaryFile()
+    settings = tempfile.TemporaryDirectory(prefix="ultrascale-kernel-")
     try:
+        # Consecutive prints are one output, as a reader sees them; no per-cell timestamps.
         client = NotebookClient(work, km=_this_python_manager(), timeout=timeout, shutdown_kernel="immediate",
-                                resources={"metadata": {"path": cwd or os.getcwd()}})
+                                resources={"metadata": {"path": cwd or os.getcwd()}}, record_timing=False,
+                                coalesce_streams=True)
     except Exception as e:  # no ipykernel, broken jupyter setup
         raise ConfigError(f"cannot start a Python kernel ({e}); pip install 'ultrascale[series]'") from e
 
@@ -168,7 +178,7 @@ def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | N
         return None
 
     try:
-        with client.setup_kernel(cleanup_kc=True, stderr=stderr):
+        with client.setup_kernel(cleanup_kc=True, stderr=stderr, env=_kernel_env(settings.name)):
             for i in range(n_cells):
                 cell = work.cells[i]
                 if cell.cell_type != "code" or not cell.source.strip():
@@ -227,8 +237,18 @@ def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | N
         report.failure = CellError(0, "Kernel", str(e))
     finally:
         stderr.close()
+        settings.cleanup()
     report.seconds = time.perf_counter() - start
+    report.notebook = nbformat.from_dict({**work, "cells": work.cells[:n_cells]})
     return report
+
+
+def _kernel_env(directory: str) -> dict:
+    """The kernel's environment: this one, with matplotlib's figures at FIGURE_DPI."""
+    rc = os.path.join(directory, "matplotlibrc")
+    with open(rc, "w") as f:
+        f.write(f"figure.dpi: {FIGURE_DPI}\n")
+    return dict(os.environ, MATPLOTLIBRC=rc)
 
 
 def _first_line(text: str) -> str:

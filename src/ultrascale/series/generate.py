@@ -7,7 +7,7 @@ to the model with every problem found, up to `max_repairs` times.
 
 What is written, in `out`:
 - N_slug.ipynb when an attempt passes (replacing an older file of that name
-  only under --force);
+  only under --force), with the outputs of the run that proved it (outputs.py);
 - otherwise N_slug.rejected.ipynb: the last attempt with the reasons in its
   first cell and in metadata.ultrascale.rejected, and exit status 1. A good
   notebook already there is never touched.
@@ -30,6 +30,7 @@ from ultrascale.series.progress import Progress
 class Attempt:
     episode: Episode | None = None
     notebook: object = None  # nbformat.NotebookNode once built
+    executed: object = None  # the same notebook with the outputs of the run that checked it
     problems: list[str] = field(default_factory=list)
     text: str = ""  # what the model (or the pasted file) said
 
@@ -63,6 +64,8 @@ def describe_cell(nb, i) -> str:
         return f"cell {i} (exercise {meta.get('exercise')} {what})"
     if role == "question":
         return f"cell {i} (quiz question {meta.get('question')})"
+    if role == "answers":
+        return f"cell {i} (the quiz's answers, at the end)"
     return f"cell {i} ({role})" if role else f"cell {i}"
 
 
@@ -94,6 +97,7 @@ def assess(obj, number: int | None, timeout: float, progress: Progress, text: st
     with progress.step(f"running {a.episode.filename} on CPU"):
         with tempfile.TemporaryDirectory(prefix="ultrascale-run-") as cwd:
             report = run_notebook(nb, timeout=timeout, cwd=cwd)
+    a.executed = report.notebook
     failed = report.failure
     if failed:
         a.problems.append(f"{describe_cell(nb, failed.cell)} failed when run: {failed.ename}: {failed.evalue}")
@@ -126,12 +130,14 @@ def keep(a: Attempt, out: str, number: int, force: bool) -> tuple[str, bool]:
     import nbformat
 
     from ultrascale.series.build import notebook_text
+    from ultrascale.series.outputs import with_outputs
 
     if a.ok:
         path = os.path.join(out, a.episode.filename)
         if os.path.exists(path) and not force:
             raise ConfigError(f"{path} exists; pass --force to replace it")
-        write_atomic(path, notebook_text(a.notebook))
+        shown = with_outputs(a.notebook, a.executed) if a.executed is not None else a.notebook
+        write_atomic(path, notebook_text(shown))
         stale = os.path.join(out, rejected_name(a.episode.filename))
         if os.path.exists(stale):
             os.unlink(stale)

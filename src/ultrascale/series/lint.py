@@ -18,7 +18,10 @@ solution-visible   the starter cell (or the instructions) already holds the solu
 exercise-solution  no hidden reference solution
 exercise-check     no check cell, or a check that never calls the learner's code
 quiz               no quiz, or not 3-4 questions
-quiz-answer        a question without options, an answer, a one-line why, or with the answer in plain sight
+quiz-answer        the answers are not at the end of the notebook: a question without options, an answer
+                   under its question (ticked, or in a <details> block there), a question with no answer
+                   in the Answers section at the end, an answer without a one-line why, or cells after
+                   the answers
 
 The rules about code (syntax, imports, accelerator, process-group) are in
 code_rules.py. Code cells tagged `needs-gpu` may use CUDA: the runner skips them on CPU.
@@ -190,24 +193,41 @@ def _exercises(o: Outline, trees: dict, v) -> None:
 
 
 # -- quiz ---------------------------------------------------------------------
+ANSWERS_HOW = "the letter, the option and a one-line why"
+
+
 def _quiz(o: Outline, v) -> None:
     if o.quiz_cell is None:
-        v(None, "quiz", "no quiz; end the notebook with '## Quiz' and 3-4 questions with hidden answers")
+        v(None, "quiz", "no quiz; add '## Quiz' with 3-4 questions, and their answers at the end of the notebook")
         return
     n = len(o.questions)
     if not 3 <= n <= 4:
         v(o.quiz_cell, "quiz", f"the quiz has {n} question(s); ask 3 or 4")
+    no_key = o.answers_cell is None and not any(q.under for q in o.questions)
+    if no_key and o.questions:
+        v(o.quiz_cell, "quiz-answer", f"the quiz has no answers at the end; after the last question add "
+                                      f"'## Answers' with each question's answer: {ANSWERS_HOW}")
     for i, q in enumerate(o.questions, 1):
-        if len(q.options) < 2:
-            v(q.cell, "quiz-answer", f"question {i} has {len(q.options)} option(s); give 2-5 options 'A) ...'")
-        if q.answer is None:
-            v(q.cell, "quiz-answer", f"question {i} has no answer; add it in a <details> block with a "
-                                     f"one-line why")
-        elif not q.collapsed:
-            v(q.cell if o.answer_key_cell is None else o.answer_key_cell, "quiz-answer",
-              f"question {i}'s answer is in plain sight; put it (with a one-line why) in a collapsed "
-              f"<details><summary>Answer</summary> block")
-        elif not 0 <= q.answer < len(q.options):
-            v(q.cell, "quiz-answer", f"question {i}'s answer points to no option; name one of its options")
-        elif not q.why.strip():
-            v(q.cell, "quiz-answer", f"question {i}'s answer has no why; add one line saying why it is right")
+        _question(i, q, o, no_key, v)
+    if o.after_answers:
+        k = o.after_answers[0]
+        v(o.answers_cell, "quiz-answer", f"the answers are not at the end of the notebook: cell {k} comes after "
+                                         f"them; move the '## Answers' section to the end, after the last "
+                                         f"question")
+
+
+def _question(i: int, q, o: Outline, no_key: bool, v) -> None:
+    if len(q.options) < 2:
+        v(q.cell, "quiz-answer", f"question {i} has {len(q.options)} option(s); give 2-5 options 'A) ...'")
+    if q.under:
+        v(q.cell, "quiz-answer", f"question {i}'s answer is under the question; the answers go together at the "
+                                 f"end of the notebook: move it to the '## Answers' section after the last "
+                                 f"question ({ANSWERS_HOW})")
+    elif q.answer is None:
+        if not no_key:
+            v(o.answers_cell, "quiz-answer", f"question {i} has no answer in the answers at the end; add it: "
+                                             f"{ANSWERS_HOW}")
+    elif not 0 <= q.answer < len(q.options):
+        v(o.answers_cell, "quiz-answer", f"question {i}'s answer points to no option; name one of its options")
+    elif not q.why.strip():
+        v(o.answers_cell, "quiz-answer", f"question {i}'s answer has no why; add one line saying why it is right")

@@ -6,8 +6,10 @@ episode) is read by its headings, the way a person would: the first
 `# Ultra-Scale Playbook: Part N` heading is the title, `## Overview` holds the
 bullets, a heading with the word "Exercise" opens an exercise (its first code
 cell is the starter), a heading with "Quiz" opens the quiz, whose questions are
-numbered items or "Question N" blocks (quiz.py). A markdown cell holding several
-headings is split into blocks at those headings.
+numbered items or "Question N" blocks, and a heading with "Answers" after it
+opens the answers (quiz.py). A markdown cell holding several headings is split
+into blocks at those headings. Outputs of code cells are never read: the
+notebook's content is its sources.
 
 lint.py checks the Outline; `read_episode` turns it into an Episode for
 re-building or for the previous-episodes list of the prompt.
@@ -70,7 +72,8 @@ class Outline:
     exercises: list[ExerciseOutline] = field(default_factory=list)
     quiz_cell: int | None = None
     questions: list[QuestionOutline] = field(default_factory=list)
-    answer_key_cell: int | None = None
+    answers_cell: int | None = None  # where the answers start (the "## Answers" cell, or an "Answers:" line)
+    after_answers: list[int] = field(default_factory=list)  # cells with content below the answers
 
     @property
     def needs_accelerator(self) -> bool:
@@ -138,6 +141,10 @@ def _is_quiz(h: str) -> bool:
     return re.search(r"\bquiz\b", h, re.I) is not None
 
 
+def _is_answers(h: str) -> bool:
+    return re.search(r"\banswers?\b", h, re.I) is not None
+
+
 def outline(nb) -> Outline:
     """Locate the parts of the format in a notebook (an nbformat node or a plain dict)."""
     cells = list(nb.get("cells", []))
@@ -151,9 +158,11 @@ def outline(nb) -> Outline:
             state.by_role(b, role, first_of_cell)
         else:
             state.by_heading(b)
-    o.questions, o.answer_key_cell = read_quiz(
+    o.questions, o.answers_cell = read_quiz(
         [(b.cell, _strip_heading(b.text) if b.heading and _is_quiz(b.heading[1]) else b.text)
-         for b in state.quiz_blocks if b.kind == "markdown"])
+         for b in state.quiz_blocks if b.kind == "markdown"],
+        [(b.cell, b.text) for b in state.answer_blocks if b.kind == "markdown"])
+    o.after_answers = _after_answers(o, state)
     meta = o.metadata.get("ultrascale", {})
     if not o.title and meta.get("title"):
         o.title = meta["title"]
@@ -161,7 +170,15 @@ def outline(nb) -> Outline:
 
 
 _ROLES = {"title", "overview", "references", "setup", "section", "exercise", "starter", "check", "hints", "quiz",
-          "question"}
+          "question", "answers"}
+
+
+def _after_answers(o: Outline, state) -> list[int]:
+    """Cells with content below the cell where the answers start, other than the answers themselves."""
+    if o.answers_cell is None:
+        return []
+    answers = {b.cell for b in state.answer_blocks}
+    return [i for i, c in enumerate(o.cells) if i > o.answers_cell and i not in answers and _source(c).strip()]
 
 
 class _Walk:
@@ -170,6 +187,7 @@ class _Walk:
     def __init__(self, o: Outline):
         self.o, self.scope, self.level, self.ex = o, None, 0, None
         self.quiz_blocks: list[Block] = []
+        self.answer_blocks: list[Block] = []
 
     # -- notebooks built by build.py ------------------------------------------
     def by_role(self, b: Block, role: dict, first_of_cell: bool) -> None:
@@ -223,6 +241,9 @@ class _Walk:
             self.quiz_blocks.append(b)
         elif r == "question":
             self.quiz_blocks.append(b)
+        elif r == "answers":
+            self.scope = "answers"
+            self.answer_blocks.append(b)
 
     # -- any other notebook: by its headings ----------------------------------
     def by_heading(self, b: Block) -> None:
@@ -233,15 +254,19 @@ class _Walk:
             return
         if h:
             level, text = h
+            if self.scope == "answers" and not _is_answers(text):
+                self.scope = None  # another heading ends the answers: what follows is content after them
             opens = level <= self.level or self.scope in (None, "title", "section", "overview")
             if re.fullmatch(r"\W*overview\W*", text, re.I) and o.overview_cell is None:
                 self.scope, self.level, o.overview_cell = "overview", level, b.cell
-            elif _is_exercise(text) and self.scope != "quiz":
+            elif _is_exercise(text) and self.scope not in ("quiz", "answers"):
                 self._exercise(b)
                 self.scope, self.level = "exercise", level
                 return
-            elif _is_quiz(text):
+            elif _is_quiz(text) and not (_is_answers(text) and o.quiz_cell is not None):
                 self.scope, self.level, o.quiz_cell = "quiz", level, b.cell
+            elif _is_answers(text) and o.quiz_cell is not None and self.scope in ("quiz", "answers"):
+                self.scope, self.level = "answers", level
             elif opens and not (self.scope == "section" and level > 2):
                 self.scope, self.level = "section", level
                 o.sections.append((text, []))
@@ -259,6 +284,9 @@ class _Walk:
                 ex.instructions = (ex.instructions + "\n\n" + b.text).strip()
         elif self.scope == "quiz":
             self.quiz_blocks.append(b)
+        elif self.scope == "answers":
+            if b.kind == "markdown":  # code below the answers is content after them, for the lint
+                self.answer_blocks.append(b)
         elif self.scope == "section" or b.kind == "code":
             if not o.sections:
                 o.sections.append(("", []))

@@ -3,7 +3,7 @@
 The requirements are those of the prompt the series was first written with
 (title "Ultra-Scale Playbook: Part N", an Overview of bullets, markdown and
 PyTorch code, exactly 2 hands-on exercises, a quiz of 3-4 questions with
-answers, file N_topic.ipynb), made precise where early notebooks went wrong:
+answers at the end, file N_topic.ipynb), made precise where early notebooks went wrong:
 solutions printed in the exercise cells, code that needs a GPU, DDP without a
 process group. The titles and overviews of earlier episodes are included so
 the new one can build on them without repeating them.
@@ -38,7 +38,8 @@ REQUIREMENTS = """\
     divide by the world size"). They run inside a function `check_exercise_<k>()`; they must fail on the
     starter and pass on the solution.
 - Quiz: 3 or 4 multiple-choice questions, each with options, the 0-based index of the right one, and a
-  one-line `why`.
+  one-line `why`. The notebook asks the questions in its Quiz section and gives all the answers (letter,
+  option and why) together at the end, so never write an answer into a question's text.
 - `references`: earlier episodes this one builds on, if any ("Building on what we learned in Part 1 ...").
 
 ### Code

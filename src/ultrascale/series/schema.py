@@ -46,10 +46,12 @@ EXERCISE = _obj({
 }, optional=("hints",))
 
 QUESTION = _obj({
-    "question": _STR,
+    "question": {"type": "string", "description": "the question only; its answer is given at the end of the "
+                                                  "notebook"},
     "options": {"type": "array", "items": _STR, "minItems": 2, "maxItems": 5},
     "answer": {"type": "integer", "description": "0-based index of the right option"},
-    "why": {"type": "string", "description": "one line: why that option is right"},
+    "why": {"type": "string", "description": "one line: why that option is right (shown with the answer, at "
+                                             "the end of the notebook)"},
 })
 
 REFERENCE = _obj({
