@@ -366,7 +366,8 @@ But `dist.all_reduce` **sums** by default (`ReduceOp.SUM`). Both ranks below tra
 The summed gradient is 2x too large - N times too large on N GPUs. With plain SGD that is N times the
 learning rate; Adam's update is nearly blind to the gradient's scale and gradient clipping caps it, which
 makes the bug easy to miss. Every data-parallel implementation **averages**: divide by N before or after
-the sum (gloo has no `ReduceOp.AVG`; NCCL does).
+the sum, or reduce with `ReduceOp.AVG`, which divides inside the collective (NCCL has it, and so does gloo
+in this torch).
 
 > In the playbook's figure of the DP timeline, the numbered boxes are the model's **layers** on one GPU
 > (backward visits them in reverse), not GPUs.
