@@ -610,8 +610,8 @@ ranks with **one all-reduce per bucket**. The rule (the engine's, not DDP's - se
    its `p.grad`.
 
 The check runs it on **2 real ranks** with the model of the bucket section (parameters of 128, 16, 256, 16,
-64 and 4 elements) for two caps, reads your buckets from the buffers your all-reduces send, and compares
-every `p.grad` with one process trained on the whole batch.
+64 and 4 elements) for three caps (one of them a bucket fills exactly), reads your buckets from the buffers
+your all-reduces send, and compares every `p.grad` with one process trained on the whole batch.
 ''',
             starter=r'''
 def bucketed_all_reduce(params, cap_numel):

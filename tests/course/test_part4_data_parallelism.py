@@ -448,6 +448,24 @@ def bucketed_all_reduce(params, cap_numel):
         for p, piece in zip(bucket, torch.split(flat / world, [p.numel() for p in bucket])):
             p.grad.copy_(piece.view_as(p.grad))
 '''),
+    (2, "all_reduce imported by name, ReduceOp.AVG", '''
+from torch.distributed import ReduceOp, all_reduce
+
+def bucketed_all_reduce(params, cap_numel):
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        if current and size + p.numel() > cap_numel:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    buckets.append(current)
+    for bucket in buckets:
+        flat = torch.cat([p.grad.flatten() for p in bucket])
+        all_reduce(flat, op=ReduceOp.AVG)  # averages: no division
+        for p, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
+            p.grad.copy_(piece.view_as(p.grad))
+'''),
     (2, "torch's flatten and unflatten helpers", '''
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
