@@ -366,7 +366,8 @@ But `dist.all_reduce` **sums** by default (`ReduceOp.SUM`). Both ranks below tra
 The summed gradient is 2x too large - N times too large on N GPUs. With plain SGD that is N times the
 learning rate; Adam's update is nearly blind to the gradient's scale and gradient clipping caps it, which
 makes the bug easy to miss. Every data-parallel implementation **averages**: divide by N before or after
-the sum (gloo has no `ReduceOp.AVG`; NCCL does).
+the sum, or reduce with `ReduceOp.AVG`, which divides inside the collective (NCCL has it, and so does gloo
+in this torch).
 
 > In the playbook's figure of the DP timeline, the numbered boxes are the model's **layers** on one GPU
 > (backward visits them in reverse), not GPUs.
@@ -609,8 +610,8 @@ ranks with **one all-reduce per bucket**. The rule (the engine's, not DDP's - se
    its `p.grad`.
 
 The check runs it on **2 real ranks** with the model of the bucket section (parameters of 128, 16, 256, 16,
-64 and 4 elements) for two caps, reads your buckets from the buffers your all-reduces send, and compares
-every `p.grad` with one process trained on the whole batch.
+64 and 4 elements) for three caps (one of them a bucket fills exactly), reads your buckets from the buffers
+your all-reduces send, and compares every `p.grad` with one process trained on the whole batch.
 ''',
             starter=r'''
 def bucketed_all_reduce(params, cap_numel):

@@ -1,15 +1,20 @@
 """Checks of Part 4 (data parallelism): overlapped DP with hooks, and gradient buckets.
 
-Both exercises run on 2 real gloo ranks (`on_ranks`). On each rank the check
-watches the collectives the learner's code calls (it wraps `dist.all_reduce` and
-`dist.reduce` for the duration of the call, and notes whether DDP was built) and
-sends back the gradients; here, in the notebook's process, it computes the
-single-process gradient of the whole batch itself and names what is wrong:
-summed instead of averaged (x N), reduced twice (a hook on top of DDP, or a hook
-plus a loop), only rank 0 holding the result, not waited for, not overlapped
-with backward; for buckets: the wrong order, DDP's cap rule instead of the
-stated one, one bucket per layer or per parameter, the last bucket dropped,
-results never written back.
+Both exercises run on 2 real gloo ranks (`on_ranks`) and read back what each rank called
+(`calls=`, series/watch.py: the kind of each collective, its group, its bytes, its
+reduction). A check first names a collective that is not data parallelism's (an
+all-gather summed locally, a reduce then a broadcast, a broadcast of rank 0's gradients,
+a point-to-point swap), then the shape of the communication (one all-reduce per gradient
+started during backward, asynchronous and waited for; one per bucket of the stated rule),
+then the values against the single-process gradient of the whole batch: summed instead of
+averaged (x N), reduced twice (a hook on top of DDP, or a hook plus a loop), only rank 0
+holding the result, never written back into p.grad; for buckets: the wrong order, DDP's
+cap rule, a bucket closed before it is full, bytes counted for elements, one bucket per
+layer, per parameter or for everything, the last bucket dropped.
+
+What a Call cannot say, the rank notes itself: whether an all-reduce was asynchronous and
+its Work waited for, the buffer it sent (to read a bucket's parameters), when backward ran
+(to tell an all-reduce started during backward from one after it), and whether DDP was built.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import contextlib
 from ultrascale.series.checks import on_ranks, require_finite
 
 WORLD = 2
+EVERYONE = tuple(range(WORLD))
+FP32 = 4  # bytes per gradient element
 
 
 # ---- models and data (the same on every rank and in the notebook's process) ----------------------
@@ -62,16 +69,16 @@ def _single_process(make, seed, n_in, n_out, samples) -> dict:
     return _grads(model)
 
 
-# ---- watching the collectives on a rank ---------------------------------------------------------
+# ---- what a rank notes beside its watched calls ------------------------------------------------
 
 class _Work:
-    """A Work handle that notes when it is waited for."""
+    """An asynchronous all-reduce's Work that notes when it is waited for."""
 
-    def __init__(self, work, record):
-        self._work, self._record = work, record
+    def __init__(self, work, note):
+        self._work, self._note = work, note
 
     def wait(self, *args, **kwargs):
-        self._record["waited"] = True
+        self._note["waited"] = True
         return self._work.wait(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -79,48 +86,159 @@ class _Work:
 
 
 @contextlib.contextmanager
-def _watch(calls: list, keep_buffers: bool = False):
-    """Wrap dist.all_reduce / dist.reduce and DDP's constructor; each call is noted in `calls`."""
-    import torch
+def _noting(notes: list, keep_buffers: bool = False):
+    """Wrap dist.all_reduce: each call notes its place among the rank's watched calls (`index`), whether it
+    was asynchronous, whether its Work was waited for, whether its tensor was flat, and (for buckets) a copy
+    of what it sent. A Call says what was sent; this says how it was waited for."""
+    import inspect
+
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
-    real_all_reduce, real_reduce, real_ddp_init = dist.all_reduce, dist.reduce, DistributedDataParallel.__init__
+    from ultrascale.series import watch
 
-    def note(kind, tensor, op, async_op):
-        if op == dist.ReduceOp.AVG and dist.get_backend() == "gloo":
-            raise AssertionError("gloo has no ReduceOp.AVG (NCCL has): all-reduce with the default SUM and "
-                                 "divide by the world size")
-        rec = {"kind": kind, "numel": tensor.numel(), "async": bool(async_op), "waited": False,
-               "in_backward": torch._C._current_graph_task_id() != -1,
-               "dim": tensor.dim(), "contiguous": tensor.is_contiguous(),
-               "op": "SUM" if op == dist.ReduceOp.SUM else str(op)}
-        if keep_buffers:
-            rec["buffer"] = tensor.detach().clone()
-        calls.append(rec)
-        return rec
+    watched = dist.all_reduce
+    signature = inspect.signature(getattr(watched, "__watched__", watched))
 
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        rec = note("all_reduce", tensor, op, async_op)
-        work = real_all_reduce(tensor, op=op, group=group, async_op=async_op)
-        return _Work(work, rec) if async_op else work
+    def all_reduce(tensor, *args, **kwargs):
+        asynchronous = bool(signature.bind(tensor, *args, **kwargs).arguments.get("async_op", False))
+        note = {"index": len(watch.calls()), "async": asynchronous, "waited": False,
+                "flat": tensor.dim() == 1 and tensor.is_contiguous(),
+                "buffer": tensor.detach().clone() if keep_buffers else None}
+        notes.append(note)
+        work = watched(tensor, *args, **kwargs)
+        if asynchronous:
+            note["work"] = work
+            return _Work(work, note)
+        return work
 
-    def reduce(tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=False, **kwargs):
-        rec = note("reduce", tensor, op, async_op)
-        if dst is None:
-            dst = kwargs.pop("group_dst", 0)
-        work = real_reduce(tensor, dst, op=op, group=group, async_op=async_op, **kwargs)
-        return _Work(work, rec) if async_op else work
-
-    def ddp_init(self, *args, **kwargs):
-        calls.append({"kind": "ddp"})
-        return real_ddp_init(self, *args, **kwargs)
-
-    dist.all_reduce, dist.reduce, DistributedDataParallel.__init__ = all_reduce, reduce, ddp_init
+    dist.all_reduce = all_reduce
     try:
         yield
     finally:
-        dist.all_reduce, dist.reduce, DistributedDataParallel.__init__ = real_all_reduce, real_reduce, real_ddp_init
+        dist.all_reduce = watched
+
+
+def _settled(notes: list) -> list:
+    """Wait for the all-reduces the learner left in flight (so the gradients read next are final and
+    nothing crosses into the next check), and keep what pickles."""
+    for note in notes:
+        work = note.pop("work", None)
+        if work is not None and not note["waited"]:
+            work.wait()
+    return notes
+
+
+@contextlib.contextmanager
+def _backward_marks(marks: list):
+    """Note, for each backward pass, the span of the rank's watched calls made while it ran."""
+    import torch
+
+    from ultrascale.series import watch
+
+    real = torch.autograd.backward  # what Tensor.backward calls
+
+    def backward(*args, **kwargs):
+        start = len(watch.calls())
+        try:
+            return real(*args, **kwargs)
+        finally:
+            marks.append((start, len(watch.calls())))
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = real
+
+
+@contextlib.contextmanager
+def _ddp_noted(built: list):
+    """DDP reduces in C++, out of sight of the watch: note that it was built."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    real = DistributedDataParallel.__init__
+
+    def init(self, *args, **kwargs):
+        built.append(True)
+        return real(self, *args, **kwargs)
+
+    DistributedDataParallel.__init__ = init
+    try:
+        yield
+    finally:
+        DistributedDataParallel.__init__ = real
+
+
+# ---- what every rank must have called ----------------------------------------------------------
+
+_GATHERS = {"all_gather", "all_gather_single", "all_gather_object", "gather", "gather_object"}
+_POINT_TO_POINT = {"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"}
+
+
+def _only_all_reduce(calls: list, what: str) -> None:
+    """Data parallelism's collective is the all-reduce: name any other the learner's code called."""
+    from ultrascale.series import watch
+
+    for rank, cs in enumerate(calls):
+        kinds = set(watch.kinds(cs)) - {"barrier"}
+        if {"reduce", "broadcast"} <= kinds:
+            raise AssertionError(
+                f"rank {rank} called reduce to rank 0 then broadcast: two collectives for {what}, where one "
+                f"all-reduce does both (it sums and leaves the result on every rank, in about the time of either "
+                f"half alone). Call dist.all_reduce instead")
+        if "reduce" in kinds:
+            raise AssertionError(
+                "only rank 0 holds the reduced gradients: dist.reduce sends the result to one rank. Use "
+                "dist.all_reduce, so every rank steps with the same average and the replicas stay identical")
+        if "broadcast" in kinds:
+            raise AssertionError(
+                f"rank {rank} called broadcast: broadcast copies rank 0's gradient to every rank, and the other "
+                f"ranks' micro-batches are thrown away. Every rank's gradient counts: dist.all_reduce sums them "
+                f"all, then divide by the world size")
+        if kinds & _GATHERS:
+            raise AssertionError(
+                f"you all-gathered {what} and summed the copies on each rank ({', '.join(sorted(kinds & _GATHERS))}): "
+                f"every rank receives all {WORLD} gradients, {WORLD}x the memory, to keep only their sum. "
+                f"dist.all_reduce sums in the collective and leaves just the sum: all-reduce, then divide by the "
+                f"world size")
+        if kinds & _POINT_TO_POINT:
+            raise AssertionError(
+                f"rank {rank} swapped gradients point to point ({', '.join(sorted(kinds & _POINT_TO_POINT))}): "
+                f"a swap with one peer is an all-reduce by hand that works for 2 ranks only; dist.all_reduce "
+                f"sums over every rank, however many (as a ring or a tree)")
+        other = kinds - {"all_reduce"}
+        if other:
+            raise AssertionError(
+                f"rank {rank} called {', '.join(sorted(other))}: not data parallelism's collective. Every rank "
+                f"needs the sum of all ranks' gradients, which is dist.all_reduce (then divide by the world size)")
+
+
+def _all_reduces(cs: list) -> list:
+    return [c for c in cs if c.kind == "all_reduce"]
+
+
+def _over_everyone(calls: list) -> None:
+    """Every all-reduce spans all the data-parallel ranks and adds (or averages) the gradients."""
+    for rank, cs in enumerate(calls):
+        for c in _all_reduces(cs):
+            if c.group != EVERYONE:
+                raise AssertionError(
+                    f"rank {rank} all-reduced over ranks {list(c.group)} only: the average is over every "
+                    f"data-parallel rank, {list(EVERYONE)}; all-reduce over the default group (no group=)")
+            if c.op not in ("SUM", "AVG"):
+                raise AssertionError(
+                    f"rank {rank} all-reduced with ReduceOp.{c.op}: the ranks' gradients add up, so reduce with "
+                    f"SUM (the default) and divide by the world size, or with AVG where the backend has it")
+
+
+def _waited(notes: list) -> None:
+    unwaited = [n for n in notes if n["async"] and not n["waited"]]
+    if unwaited:
+        raise AssertionError(
+            f"{len(unwaited)} of your asynchronous all-reduces were never waited for: keep each Work that "
+            f"dist.all_reduce(..., async_op=True) returns and call work.wait() on all of them (after backward, "
+            f"before the optimizer step, or before reading a bucket back); until then a gradient may still be "
+            f"in flight")
 
 
 # ---- Exercise 1: overlapped data parallelism with hooks ----------------------------------------
@@ -135,11 +253,11 @@ def _ex1_on_rank(fn, seed: int, samples: int):
     local = overlap_model()
     nn.MSELoss()(local(xb), yb).backward()
     model = overlap_model()
-    calls = []
-    with _watch(calls):
+    notes, marks, ddp = [], [], []
+    with _noting(notes), _backward_marks(marks), _ddp_noted(ddp):
         fn(model, xb, yb, nn.MSELoss())
-    dist.barrier()  # nothing of this call still in flight when the next one starts
-    return {"grads": _grads(model), "local": _grads(local), "calls": calls}
+    return {"grads": _grads(model), "local": _grads(local), "notes": _settled(notes), "backward": marks,
+            "ddp": bool(ddp)}
 
 
 def _flat(grads: dict):
@@ -152,130 +270,177 @@ def _near(a: float, b: float, tol: float = 0.01) -> bool:
     return abs(a - b) <= tol * abs(b)
 
 
+def _ddp_and_hooks(results, mine: list, want: dict) -> None:
+    """The model was wrapped in DDP: it already averages every gradient, so anything more is twice."""
+    from ultrascale.series.checks import max_rel_diff, ratio
+
+    n = WORLD
+    if not mine:
+        raise AssertionError("DDP did all the communication: this exercise is to write what DDP does "
+                             "yourself, with a post-accumulate-grad hook per parameter; drop DDP")
+    k = ratio(_flat(results[0]["grads"]), _flat(want))
+    twice = "reduced twice: DDP already averages every gradient across the ranks, and your hook all-reduces it again"
+    if any(note["async"] for note in results[0]["notes"]):
+        raise AssertionError(
+            f"{twice}; asynchronously, so your all-reduce races with DDP's copy of the gradient into its "
+            f"bucket and the result depends on which wins (here {k:.3f}x the single-process gradient). "
+            f"Use DDP or your own hooks, never both: here, drop DDP")
+    if max_rel_diff(_flat(results[0]["grads"]), _flat(want)) < 1e-4:
+        raise AssertionError(
+            f"{twice}: averaged twice. The values are right only because averaging an average changes "
+            f"nothing; every gradient crosses the network twice. Drop DDP: your hooks are the data "
+            f"parallelism")
+    raise AssertionError(
+        f"{twice}, so the gradients come out {k:.3f}x the single-process ones: your SUM hook runs "
+        f"before DDP reads the gradient, so DDP averages {n} sums ({n}x). Use DDP or your own hooks, "
+        f"never both: here, drop DDP")
+
+
+def _one_message_per_gradient(mine: list, sizes: dict) -> None:
+    """Each all-reduce carries one fp32 gradient: not all of them in one message, nor a lower precision."""
+    total = sum(sizes.values())
+    sent = sorted(c.bytes for c in mine)
+    if len(mine) == 1 and len(sizes) > 1 and sent[0] == FP32 * total:
+        raise AssertionError(
+            f"one all-reduce for {len(sizes)} gradients, all {total} elements in one message after backward: "
+            f"that is a single bucket, and it can only start once the last gradient exists, so nothing "
+            f"overlaps. All-reduce each gradient from its own post-accumulate-grad hook, as soon as it is ready")
+    if len(mine) == len(sizes) and sent != sorted(FP32 * s for s in sizes.values()):
+        if sent == sorted(2 * s for s in sizes.values()):
+            raise AssertionError(
+                "your all-reduces carry 2 bytes per element where p.grad holds 4: the gradients crossed the "
+                "network in bfloat16 (or float16), and their average lost precision on the way. All-reduce "
+                "p.grad itself, in fp32")
+        raise AssertionError(
+            f"your all-reduces carry {sent} bytes; the gradients hold {sorted(FP32 * s for s in sizes.values())} "
+            f"(fp32): all-reduce each p.grad itself, whole")
+
+
+def _same_on_every_rank(grads, locals_, ref) -> None:
+    from ultrascale.series.checks import max_rel_diff, ratio
+
+    for rank in range(1, WORLD):
+        if max_rel_diff(grads[rank], grads[0]) <= 1e-5:
+            continue
+        if all(max_rel_diff(g, lo) < 1e-5 for g, lo in zip(grads, locals_)):
+            raise AssertionError(
+                "every rank still holds its own micro-batch's gradient: the all-reduces did not reach p.grad "
+                "(a copy was reduced: p.grad / world makes a new tensor). All-reduce p.grad itself, in place, "
+                "or copy the result back into it")
+        r0, rr = ratio(grads[0], ref), ratio(grads[rank], ref)
+        if max_rel_diff(grads[0], ref) < 1e-4:
+            own = max_rel_diff(grads[rank], locals_[rank]) < 1e-4
+            what = "still its own micro-batch's gradient" if own else f"{rr:.3f}x the single-process gradient"
+            raise AssertionError(
+                f"only rank 0 ended with the average; rank {rank}'s gradients are {what}: every rank "
+                f"must run the same code (no `if rank == 0` around the averaging or the reduction)")
+        raise AssertionError(
+            f"rank {rank}'s gradients differ from rank 0's ({rr:.3f}x vs {r0:.3f}x the single-process "
+            f"gradient): every rank must all-reduce the same gradients and end with the same average")
+
+
+def _the_average(results, want, mine: list, grads, locals_, avg: bool) -> None:
+    from ultrascale.series.checks import max_rel_diff, ratio
+
+    n, names, ref = WORLD, list(want), _flat(want)
+    per_param = len(mine) / len(names)
+    k = ratio(grads[0], ref)
+    if max_rel_diff(grads[0], ref) < 1e-4:
+        return
+    if per_param <= 1 and _near(k, n * n):
+        raise AssertionError(
+            f"your gradients are {k:.3f}x = {n}x{n} the single-process ones: summed over the {n} ranks "
+            f"and scaled up by the world size once more (multiplied where you should divide?); divide "
+            f"each gradient by the world size")
+    if per_param > 1:
+        raise AssertionError(
+            f"your gradients are {k:.3f}x the single-process ones: reduced twice ({len(mine)} "
+            f"all-reduces for {len(names)} gradients: a hook and a loop after backward, or two hooks). "
+            f"All-reduce each gradient exactly once, from its hook, and divide by the world size once")
+    if _near(k, n):
+        raise AssertionError(
+            f"your gradients are {k:.3f}x the single-process ones: summed, not averaged. "
+            f"dist.all_reduce sums over the {n} ranks; divide each gradient by the world size "
+            f"(before the all-reduce or after waiting for it)")
+    if _near(k, 1 / n):
+        if avg:
+            raise AssertionError(
+                f"your gradients are {k:.3f}x the single-process ones: ReduceOp.AVG already divides by the "
+                f"world size, and you divided again; with AVG, do not divide")
+        raise AssertionError(
+            f"your gradients are {k:.3f}x the single-process ones: divided by the world size twice "
+            f"(or the loss divided too); divide once")
+    if max_rel_diff(grads[0], locals_[0]) < 1e-5:
+        raise AssertionError("every rank still holds its own micro-batch's gradient: the all-reduces "
+                             "did not reach p.grad (all-reduce p.grad itself, in place)")
+    worst = max(names, key=lambda m: max_rel_diff(results[0]["grads"][m], want[m]))
+    raise AssertionError(
+        f"the gradient of {worst} is off by {max_rel_diff(results[0]['grads'][worst], want[worst]):.1e} "
+        f"(relative) from the single-process gradient of the whole batch: average each gradient over "
+        f"the ranks exactly once")
+
+
+def _overlapped(results, calls, names: list) -> None:
+    """Each gradient's all-reduce starts during backward, from its hook, and lets backward go on."""
+    for rank, (res, cs) in enumerate(zip(results, calls)):
+        mine = [i for i, c in enumerate(cs) if c.kind == "all_reduce"]
+        if len(mine) > len(names):
+            raise AssertionError(
+                f"reduced twice: {len(mine)} all-reduces for {len(names)} gradients. The values are right "
+                f"(averaging an average changes nothing) but every gradient crossed the network "
+                f"{len(mine) / len(names):g} times: once, from the hook, is enough")
+        during = [i for i in mine if any(start <= i < end for start, end in res["backward"])]
+        if len(during) < len(mine):
+            raise AssertionError(
+                f"{len(mine) - len(during)} of rank {rank}'s all-reduces start after backward has finished: "
+                f"that is the naive version, the network idles during backward and backward idles during the "
+                f"network. Start each one from a post-accumulate-grad hook, the moment its gradient is ready")
+        blocking = [note for note in res["notes"] if not note["async"]]
+        if blocking:
+            raise AssertionError(
+                "each all-reduce blocks: with async_op=False the hook waits for the network and backward "
+                "stops until it is done, so nothing overlaps. Pass async_op=True, keep the Work, wait for all "
+                "of them after backward")
+        if len(mine) != len(names):
+            raise AssertionError(f"{len(mine)} all-reduces for {len(names)} gradients on rank {rank}: one per "
+                                 f"parameter, from its hook")
+
+
 def exercise_1(fn, seeds=(1, 2)):
     """fn(model, x, y, loss_fn) on 2 ranks: afterwards every p.grad is the average over the ranks, reduced
     by asynchronous all-reduces started from per-parameter hooks during backward and waited for."""
-    from ultrascale.series.checks import max_rel_diff, ratio
-
+    sizes = {name: p.numel() for name, p in overlap_model().named_parameters()}
     for seed in seeds:
         samples = 8 * WORLD
         want = _single_process(overlap_model, seed, 16, 4, samples)
-        results = on_ranks(WORLD, _ex1_on_rank, fn, seed, samples)
-        names = list(want)
-        n = WORLD
+        calls = []
+        results = on_ranks(WORLD, _ex1_on_rank, fn, seed, samples, calls=calls)
         for rank, res in enumerate(results):
             missing = [k for k, g in res["grads"].items() if g is None]
             assert not missing, (f"rank {rank} has no gradient for {missing}: run the forward and "
                                  f"loss.backward() on this rank's micro-batch")
             require_finite(res["grads"], f"rank {rank}'s gradients after overlapped_data_parallel")
-        calls = [r["calls"] for r in results]
-        used_ddp = any(c["kind"] == "ddp" for c in calls[0])
-        mine = [[c for c in cs if c["kind"] != "ddp"] for cs in calls]
-        if used_ddp and not mine[0]:
-            raise AssertionError("DDP did all the communication: this exercise is to write what DDP does "
-                                 "yourself, with a post-accumulate-grad hook per parameter; drop DDP")
-        if used_ddp:
-            k = ratio(_flat(results[0]["grads"]), _flat(want))
-            twice = ("reduced twice: DDP already averages every gradient across the ranks, and your hook "
-                     "all-reduces it again")
-            if any(c["async"] for c in mine[0]):
-                raise AssertionError(
-                    f"{twice}; asynchronously, so your all-reduce races with DDP's copy of the gradient into its "
-                    f"bucket and the result depends on which wins (here {k:.3f}x the single-process gradient). "
-                    f"Use DDP or your own hooks, never both: here, drop DDP")
-            if max_rel_diff(_flat(results[0]["grads"]), _flat(want)) < 1e-4:
-                raise AssertionError(
-                    f"{twice}: averaged twice. The values are right only because averaging an average changes "
-                    f"nothing; every gradient crosses the network twice. Drop DDP: your hooks are the data "
-                    f"parallelism")
-            raise AssertionError(
-                f"{twice}, so the gradients come out {k:.3f}x the single-process ones: your SUM hook runs "
-                f"before DDP reads the gradient, so DDP averages {n} sums ({n}x). Use DDP or your own hooks, "
-                f"never both: here, drop DDP")
-        assert mine[0], ("no collective was called: each gradient must be all-reduced across the ranks "
-                         "(dist.all_reduce in the hook), or every rank keeps its own micro-batch's gradient")
-        unwaited = [c for c in mine[0] if c["async"] and not c["waited"]]
-        if unwaited:
-            raise AssertionError(
-                f"{len(unwaited)} of your asynchronous all-reduces were never waited for: keep each Work that "
-                f"dist.all_reduce(..., async_op=True) returns and call work.wait() on all of them after "
-                f"backward, before the optimizer step; until then a gradient may still be in flight")
+        mine = _all_reduces(calls[0])
+        if results[0]["ddp"]:
+            _ddp_and_hooks(results, mine, want)
+        _only_all_reduce(calls, "each gradient")
+        assert mine, ("no collective was called: each gradient must be all-reduced across the ranks "
+                      "(dist.all_reduce in the hook), or every rank keeps its own micro-batch's gradient")
+        _over_everyone(calls)
+        for r in results:
+            _waited(r["notes"])
+        _one_message_per_gradient(mine, sizes)
         grads = [_flat(r["grads"]) for r in results]
-        ref = _flat(want)
         locals_ = [_flat(r["local"]) for r in results]
-        used_reduce = any(c["kind"] == "reduce" for c in mine[0])
-        for rank in range(1, n):
-            if max_rel_diff(grads[rank], grads[0]) > 1e-5:
-                r0, rr = ratio(grads[0], ref), ratio(grads[rank], ref)
-                if used_reduce:
-                    raise AssertionError(
-                        f"only rank 0 holds the reduced gradients; rank {rank}'s differ: dist.reduce sends "
-                        f"the result to one rank. Use dist.all_reduce, so every rank steps with the same "
-                        f"average and the replicas stay identical")
-                if max_rel_diff(grads[0], ref) < 1e-4:
-                    own = max_rel_diff(grads[rank], locals_[rank]) < 1e-4
-                    what = ("still its own micro-batch's gradient" if own
-                            else f"{rr:.3f}x the single-process gradient")
-                    raise AssertionError(
-                        f"only rank 0 ended with the average; rank {rank}'s gradients are {what}: every rank "
-                        f"must run the same code (no `if rank == 0` around the averaging or the reduction)")
-                raise AssertionError(
-                    f"rank {rank}'s gradients differ from rank 0's ({rr:.3f}x vs {r0:.3f}x the single-process "
-                    f"gradient): every rank must all-reduce the same gradients and end with the same average")
-        per_param = len(mine[0]) / len(names)
-        k = ratio(grads[0], ref)
-        close = max_rel_diff(grads[0], ref) < 1e-4
-        if not close:
-            if per_param <= 1 and _near(k, n * n):
-                raise AssertionError(
-                    f"your gradients are {k:.3f}x = {n}x{n} the single-process ones: summed over the {n} ranks "
-                    f"and scaled up by the world size once more (multiplied where you should divide?); divide "
-                    f"each gradient by the world size")
-            if per_param > 1:
-                raise AssertionError(
-                    f"your gradients are {k:.3f}x the single-process ones: reduced twice ({len(mine[0])} "
-                    f"all-reduces for {len(names)} gradients: a hook and a loop after backward, or two hooks). "
-                    f"All-reduce each gradient exactly once, from its hook, and divide by the world size once")
-            if _near(k, n):
-                raise AssertionError(
-                    f"your gradients are {k:.3f}x the single-process ones: summed, not averaged. "
-                    f"dist.all_reduce sums over the {n} ranks; divide each gradient by the world size "
-                    f"(before the all-reduce or after waiting for it)")
-            if _near(k, 1 / n):
-                raise AssertionError(
-                    f"your gradients are {k:.3f}x the single-process ones: divided by the world size twice "
-                    f"(or the loss divided too); divide once")
-            if max_rel_diff(grads[0], locals_[0]) < 1e-5:
-                raise AssertionError("every rank still holds its own micro-batch's gradient: the all-reduces "
-                                     "did not reach p.grad (all-reduce p.grad itself, in place)")
-            worst = max(names, key=lambda m: max_rel_diff(results[0]["grads"][m], want[m]))
-            raise AssertionError(
-                f"the gradient of {worst} is off by {max_rel_diff(results[0]['grads'][worst], want[worst]):.1e} "
-                f"(relative) from the single-process gradient of the whole batch: average each gradient over "
-                f"the ranks exactly once")
-        if per_param > 1:
-            raise AssertionError(
-                f"reduced twice: {len(mine[0])} all-reduces for {len(names)} gradients. The values are right "
-                f"(averaging an average changes nothing) but every gradient crossed the network "
-                f"{per_param:g} times: once, from the hook, is enough")
-        if not all(c["in_backward"] for c in mine[0]):
-            raise AssertionError(
-                "your all-reduces start after backward has finished: that is the naive version, the network "
-                "idles during backward and backward idles during the network. Start each one from a "
-                "post-accumulate-grad hook, the moment its gradient is ready")
-        if not all(c["async"] for c in mine[0]):
-            raise AssertionError(
-                "each all-reduce blocks: with async_op=False the hook waits for the network and backward "
-                "stops until it is done, so nothing overlaps. Pass async_op=True, keep the Work, wait for all "
-                "of them after backward")
-        if len(mine[0]) != len(names):
-            raise AssertionError(f"{len(mine[0])} all-reduces for {len(names)} gradients: one per parameter, "
-                                 f"from its hook")
+        avg = any(c.op == "AVG" for c in mine)
+        _same_on_every_rank(grads, locals_, _flat(want))
+        _the_average(results, want, mine, grads, locals_, avg)
+        _overlapped(results, calls, list(sizes))
 
 
 # ---- Exercise 2: buckets -------------------------------------------------------------------------
 
-def rule_buckets(sizes: list[int], cap: int) -> list[list[int]]:
+def rule_buckets(sizes: list[int], cap: float) -> list[list[int]]:
     """The exercise's rule, as indices into `sizes` (registration order)."""
     out, cur, total = [], [], 0
     for i in reversed(range(len(sizes))):
@@ -303,6 +468,20 @@ def _ddp_rule(sizes, cap):
     return out
 
 
+def _closed_when_full(sizes, cap):
+    """The rule with >= for >: a bucket is closed before it would hold exactly cap elements."""
+    out, cur, total = [], [], 0
+    for i in reversed(range(len(sizes))):
+        if cur and total + sizes[i] >= cap:
+            out.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += sizes[i]
+    if cur:
+        out.append(cur)
+    return out
+
+
 def _forward_rule(sizes, cap):
     out, cur, total = [], [], 0
     for i in range(len(sizes)):
@@ -325,11 +504,10 @@ def _ex2_on_rank(fn, cap: int, seed: int, samples: int):
     model = bucket_model()
     nn.MSELoss()(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
     local = _grads(model)
-    calls = []
-    with _watch(calls, keep_buffers=True):
+    notes = []
+    with _noting(notes, keep_buffers=True):
         fn(list(model.parameters()), cap)
-    dist.barrier()
-    return {"grads": _grads(model), "local": local, "calls": calls}
+    return {"grads": _grads(model), "local": local, "notes": _settled(notes)}
 
 
 def _decompose(buf, local: dict, world: int) -> list[str] | None:
@@ -337,6 +515,8 @@ def _decompose(buf, local: dict, world: int) -> list[str] | None:
     after the other, make up `buf`; None if it is not so."""
     import torch
 
+    if buf.dtype != torch.float32:
+        return None
     for scale in (1.0, 1.0 / world):
         names, off, flat = [], 0, buf.reshape(-1)
         while off < flat.numel():
@@ -359,98 +539,152 @@ def _describe(buckets, names):
     return "[" + ", ".join("[" + ", ".join(names[i] for i in b) + "]" for b in buckets) + "]"
 
 
-def exercise_2(fn, caps=(300, 100), seed=3):
-    """fn(params, cap_numel) on 2 ranks: one averaging all-reduce per bucket of the stated rule, results back
-    in every p.grad."""
+def _buckets_sent(res, mine, names, cap) -> list[list[int]] | None:
+    """The buckets the all-reduces carried, as indices into the parameters, read from their buffers; None
+    when the learner's all_reduce was bound before the check could note its buffers (then only the bytes
+    are known)."""
+    notes = res["notes"]
+    if len(notes) != len(mine):
+        return None
+    bad = [note for note in notes if not note["flat"]]
+    assert not bad, ("all_reduce was given a tensor that is not flat and contiguous: a bucket is one 1-D "
+                     "buffer, the flattened gradients one after the other (torch.cat of p.grad.reshape(-1))")
+    index = {k: i for i, k in enumerate(names)}
+    got = []
+    for k, note in enumerate(notes):
+        parts = _decompose(note["buffer"], res["local"], WORLD)
+        assert parts is not None, (
+            f"all-reduce call {k + 1} ({note['buffer'].numel()} elements, with cap_numel = {cap}) is not a "
+            f"bucket of whole fp32 gradients: flatten each p.grad and concatenate them, each complete")
+        got.append([index[p] for p in parts])
+    return got
+
+
+def _by_the_rule(got, names, sizes, cap) -> None:
+    """The buckets are those of the stated rule; else name the rule that was followed instead."""
+    expected = rule_buckets(sizes, cap)
+    seen = [i for b in got for i in b]
+    twice = sorted({names[i] for i in seen if seen.count(i) > 1})
+    assert not twice, f"{twice} were all-reduced twice: each gradient belongs to exactly one bucket"
+    missing = [i for i in range(len(names)) if i not in seen]
+    if missing:
+        if sorted(missing) == sorted(expected[-1]):
+            raise AssertionError(
+                f"{[names[i] for i in missing]} were never all-reduced: you dropped the last, partial "
+                f"bucket. After the loop, the bucket being filled still holds parameters: reduce it too")
+        raise AssertionError(f"{[names[i] for i in missing]} were never all-reduced: every gradient "
+                             f"must go into a bucket")
+    if got == expected:
+        return
+    sizes_of = [sum(sizes[i] for i in b) for b in got]
+    if len(got) == len(names):
+        raise AssertionError(
+            f"{len(got)} all-reduces for {len(names)} gradients: one per parameter is no bucketing. "
+            f"Pack parameters into a bucket until the next one would exceed cap_numel = {cap}")
+    if len(got) == 1:
+        raise AssertionError(
+            f"one bucket of all {sizes_of[0]} elements: cap_numel = {cap} was never applied, so the one "
+            f"all-reduce waits for the last gradient and nothing overlaps. Close the bucket when the next "
+            f"parameter would take it over the cap")
+    if got == _ddp_rule(sizes, cap):
+        over = next(k for k, s in enumerate(sizes_of) if s > cap)
+        raise AssertionError(
+            f"bucket {over} holds {sizes_of[over]} elements, over cap_numel = {cap}: that is PyTorch "
+            f"DDP's rule (add the parameter, close the bucket once it reaches the cap). This exercise's "
+            f"rule: start a new bucket *before* a parameter would take it over the cap (a parameter "
+            f"larger than the cap alone gets a bucket of its own)")
+    if got == _closed_when_full(sizes, cap):
+        full = next(b for b in expected if sum(sizes[i] for i in b) == cap)
+        raise AssertionError(
+            f"with cap_numel = {cap}, your buckets are {_describe(got, names)}: you closed a bucket that the "
+            f"next parameter would have filled to exactly the cap ({_describe([full], names)[1:-1]} = {cap} "
+            f"elements). A bucket may hold exactly cap_numel elements; start a new one only when the next "
+            f"parameter would take it *over* the cap (>, not >=)")
+    if got == rule_buckets(sizes, cap / FP32):
+        raise AssertionError(
+            f"with cap_numel = {cap}, your buckets are {_describe(got, names)} ({sizes_of} elements): you "
+            f"counted bytes (numel x element_size), so each bucket holds a quarter of the cap. cap_numel is "
+            f"a number of elements: add p.numel()")
+    if got == _forward_rule(sizes, cap):
+        raise AssertionError(
+            f"your buckets are filled in registration (forward) order, {_describe(got, names)}: walk "
+            f"the parameters last to first, the order backward produces their gradients, so the "
+            f"first bucket is complete first")
+    if all(len({names[i].split('.')[0] for i in b}) == 1 for b in got) and len(got) == len(names) // 2:
+        raise AssertionError(
+            f"one bucket per layer, {_describe(got, names)}: buckets are filled by size, up to "
+            f"cap_numel = {cap} elements, whatever the layers")
+    raise AssertionError(
+        f"with cap_numel = {cap}, your buckets are {_describe(got, names)} ({sizes_of} elements); the "
+        f"rule gives {_describe(expected, names)}: last parameter first, a new bucket when the next "
+        f"parameter would take the current one over the cap")
+
+
+def _sizes_by_the_rule(mine, sizes, cap) -> None:
+    """Only the bytes are known: they must be the rule's buckets, in its order."""
+    sent = [c.bytes // FP32 for c in mine]
+    want = [sum(sizes[i] for i in b) for b in rule_buckets(sizes, cap)]
+    assert sent == want, (f"with cap_numel = {cap}, your all-reduces carry {sent} elements; the rule's buckets "
+                          f"hold {want}: last parameter first, a new bucket when the next parameter would take "
+                          f"the current one over the cap")
+
+
+def _written_back(results, names, want) -> None:
     import torch
 
     from ultrascale.series.checks import max_rel_diff, ratio
 
     n = WORLD
+    for rank, r in enumerate(results):
+        unchanged = [k for k in names if max_rel_diff(r["grads"][k], r["local"][k]) < 1e-7]
+        if len(unchanged) == len(names):
+            raise AssertionError(
+                f"the buckets were all-reduced but no p.grad changed on rank {rank}: torch.cat makes a copy, "
+                f"so copy each slice of the reduced buffer back into its p.grad (p.grad.copy_(...view_as))")
+        if unchanged:
+            raise AssertionError(f"{unchanged} were all-reduced but their p.grad never received the result "
+                                 f"on rank {rank}: copy every slice of the reduced buffer back")
+        flat = torch.cat([r["grads"][k].reshape(-1) for k in names])
+        ref = torch.cat([want[k].reshape(-1) for k in names])
+        k = ratio(flat, ref)
+        if max_rel_diff(flat, ref) > 1e-4:
+            if _near(k, n):
+                raise AssertionError(
+                    f"your gradients are {k:.3f}x the single-process ones: summed, not averaged. "
+                    f"dist.all_reduce sums over the {n} ranks: divide each bucket by the world size")
+            if _near(k, 1 / n):
+                raise AssertionError(
+                    f"your gradients are {k:.3f}x the single-process ones: divided by the world size twice "
+                    f"(or with ReduceOp.AVG, which divides already); divide once")
+            worst = max(names, key=lambda m: max_rel_diff(r["grads"][m], want[m]))
+            raise AssertionError(
+                f"rank {rank}'s gradient of {worst} is off by "
+                f"{max_rel_diff(r['grads'][worst], want[worst]):.1e} from the single-process gradient: "
+                f"write each parameter's own slice back (offsets in bucket order)")
+
+
+def exercise_2(fn, caps=(300, 272, 100), seed=3):
+    """fn(params, cap_numel) on 2 ranks: one averaging all-reduce per bucket of the stated rule, results back
+    in every p.grad. Cap 272 is one a bucket fills exactly (256 + 16 elements)."""
     model = bucket_model()
     names = [k for k, _ in model.named_parameters()]
     sizes = [p.numel() for p in model.parameters()]
-    index = {k: i for i, k in enumerate(names)}
-    samples = 8 * n
+    samples = 8 * WORLD
     want = _single_process(bucket_model, seed, 8, 4, samples)
     for cap in caps:
-        results = on_ranks(n, _ex2_on_rank, fn, cap, seed, samples)
+        calls = []
+        results = on_ranks(WORLD, _ex2_on_rank, fn, cap, seed, samples, calls=calls)
         for rank, r in enumerate(results):
             require_finite(r["grads"], f"rank {rank}'s gradients after bucketed_all_reduce (cap_numel = {cap})")
-        res = results[0]
-        calls = [c for c in res["calls"] if c["kind"] != "ddp"]
-        assert calls, "dist.all_reduce was never called: each bucket needs one all-reduce"
-        bad = [c for c in calls if c["dim"] != 1 or not c["contiguous"]]
-        assert not bad, ("all_reduce was given a tensor that is not flat and contiguous: a bucket is one 1-D "
-                         "buffer, the flattened gradients one after the other (torch.cat of p.grad.reshape(-1))")
-        unwaited = [c for c in calls if c["async"] and not c["waited"]]
-        assert not unwaited, ("an asynchronous all-reduce was never waited for: call work.wait() before "
-                              "reading the bucket back")
-        got = []
-        for k, c in enumerate(calls):
-            parts = _decompose(c["buffer"], res["local"], n)
-            assert parts is not None, (
-                f"all-reduce call {k + 1} ({c['numel']} elements) is not a bucket of whole gradients: "
-                f"flatten each p.grad and concatenate them, each complete")
-            got.append([index[p] for p in parts])
-        expected = rule_buckets(sizes, cap)
-        seen = [i for b in got for i in b]
-        twice = sorted({names[i] for i in seen if seen.count(i) > 1})
-        assert not twice, f"{twice} were all-reduced twice: each gradient belongs to exactly one bucket"
-        missing = [i for i in range(len(names)) if i not in seen]
-        if missing:
-            if sorted(missing) == sorted(expected[-1]):
-                raise AssertionError(
-                    f"{[names[i] for i in missing]} were never all-reduced: you dropped the last, partial "
-                    f"bucket. After the loop, the bucket being filled still holds parameters: reduce it too")
-            raise AssertionError(f"{[names[i] for i in missing]} were never all-reduced: every gradient "
-                                 f"must go into a bucket")
-        if got != expected:
-            sizes_of = [sum(sizes[i] for i in b) for b in got]
-            if len(got) == len(names):
-                raise AssertionError(
-                    f"{len(got)} all-reduces for {len(names)} gradients: one per parameter is no bucketing. "
-                    f"Pack parameters into a bucket until the next one would exceed cap_numel = {cap}")
-            if got == _ddp_rule(sizes, cap):
-                over = next(k for k, s in enumerate(sizes_of) if s > cap)
-                raise AssertionError(
-                    f"bucket {over} holds {sizes_of[over]} elements, over cap_numel = {cap}: that is PyTorch "
-                    f"DDP's rule (add the parameter, close the bucket once it reaches the cap). This exercise's "
-                    f"rule: start a new bucket *before* a parameter would take it over the cap (a parameter "
-                    f"larger than the cap alone gets a bucket of its own)")
-            if got == _forward_rule(sizes, cap):
-                raise AssertionError(
-                    f"your buckets are filled in registration (forward) order, {_describe(got, names)}: walk "
-                    f"the parameters last to first, the order backward produces their gradients, so the "
-                    f"first bucket is complete first")
-            layer = [[i for i in b] for b in got]
-            if all(len({names[i].split('.')[0] for i in b}) == 1 for b in layer) and len(got) == len(names) // 2:
-                raise AssertionError(
-                    f"one bucket per layer, {_describe(got, names)}: buckets are filled by size, up to "
-                    f"cap_numel = {cap} elements, whatever the layers")
-            raise AssertionError(
-                f"with cap_numel = {cap}, your buckets are {_describe(got, names)} ({sizes_of} elements); the "
-                f"rule gives {_describe(expected, names)}: last parameter first, a new bucket when the next "
-                f"parameter would take the current one over the cap")
-        for rank, r in enumerate(results):
-            unchanged = [k for k in names if max_rel_diff(r["grads"][k], r["local"][k]) < 1e-7]
-            if len(unchanged) == len(names):
-                raise AssertionError(
-                    f"the buckets were all-reduced but no p.grad changed on rank {rank}: torch.cat makes a copy, "
-                    f"so copy each slice of the reduced buffer back into its p.grad (p.grad.copy_(...view_as))")
-            if unchanged:
-                raise AssertionError(f"{unchanged} were all-reduced but their p.grad never received the result "
-                                     f"on rank {rank}: copy every slice of the reduced buffer back")
-            flat = torch.cat([r["grads"][k].reshape(-1) for k in names])
-            ref = torch.cat([want[k].reshape(-1) for k in names])
-            k = ratio(flat, ref)
-            if max_rel_diff(flat, ref) > 1e-4:
-                if _near(k, n):
-                    raise AssertionError(
-                        f"your gradients are {k:.3f}x the single-process ones: summed, not averaged. "
-                        f"dist.all_reduce sums over the {n} ranks: divide each bucket by the world size")
-                worst = max(names, key=lambda m: max_rel_diff(r["grads"][m], want[m]))
-                raise AssertionError(
-                    f"rank {rank}'s gradient of {worst} is off by "
-                    f"{max_rel_diff(r['grads'][worst], want[worst]):.1e} from the single-process gradient: "
-                    f"write each parameter's own slice back (offsets in bucket order)")
+        _only_all_reduce(calls, "each bucket")
+        mine = _all_reduces(calls[0])
+        assert mine, "dist.all_reduce was never called: each bucket needs one all-reduce"
+        _over_everyone(calls)
+        for r in results:
+            _waited(r["notes"])
+        got = _buckets_sent(results[0], mine, names, cap)
+        if got is None:
+            _sizes_by_the_rule(mine, sizes, cap)
+        else:
+            _by_the_rule(got, names, sizes, cap)
+        _written_back(results, names, want)
