@@ -80,9 +80,9 @@ def _mlp_reference(x, w1, w2, cot, scale_x=1.0, rows=None):
 def _mlp_untransposed(x, w1, w2):
     """The sum over ranks of gelu(x @ w1_shard) @ w2_shard: the shards taken as [in, out] (h = f/t here,
     so the shapes let it through)."""
-    n = FFN // WORLD
     import torch.nn.functional as F
 
+    n = FFN // WORLD
     return sum(F.gelu(x.double() @ w1.double()[r * n:(r + 1) * n]) @ w2.double()[:, r * n:(r + 1) * n]
                for r in range(WORLD))
 
