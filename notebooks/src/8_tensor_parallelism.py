@@ -234,7 +234,8 @@ Write `tp_mlp(x, w1_shard, w2_shard)`, run on 2 real ranks: the MLP $\mathrm{GEL
 
 Fill in the two autograd functions (they are defined inside `tp_mlp` so that they travel to the ranks with
 it): **f** entering the region, **g** leaving it. The check compares the output and the gradients of `x`
-and of both shards with one process running the whole MLP.
+and of both shards with one process running the whole MLP, and reads the collectives each rank called:
+one all-reduce of the $[b, s, h]$ activation in forward, one in backward, and no weights moved.
 ''',
             starter=r'''
 def tp_mlp(x, w1_shard, w2_shard):

@@ -260,8 +260,9 @@ is the block's output for the same positions.
 
 `GatherSequence` ($g$): all-gather along dim 1 forward, reduce-scatter backward. `ScatterSequence`
 ($\bar g$): reduce-scatter along dim 1 forward, all-gather backward. `dist.all_gather(list, t)` and
-`dist.reduce_scatter(out, list)` work on gloo; no `dist.all_reduce` (the check looks). It compares the
-output and the gradients of `x_shard` and both weight shards with one process running the whole block.
+`dist.reduce_scatter(out, list)` work on gloo. The check reads the collectives each rank called (one
+all-gather and one reduce-scatter each way, no `dist.all_reduce`) and compares the output and the
+gradients of `x_shard` and both weight shards with one process running the whole block.
 ''',
             starter=r'''
 def sp_block(x_shard, w1_shard, w2_shard):

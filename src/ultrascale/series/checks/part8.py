@@ -3,16 +3,31 @@ operators, and the vocabulary-parallel cross-entropy, each on 2 real ranks.
 
 Every expected value is computed here, in one process and float64, from the whole
 weights or the whole logits (the MLP and its gradients by autograd, the loss by
-F.cross_entropy); the learner's functions only run on the ranks.
+F.cross_entropy); the learner's functions only run on the ranks. The collectives each
+rank called are read back too (series/watch.py): the MLP is one all-reduce of the
+[b, s, h] activation in forward (g's) and one in backward (f's), and the loss moves a
+few numbers per token, never the logits. The right numbers reached another way (the
+weights gathered, the logits all-reduced whole) are not tensor parallelism.
 """
 
 from __future__ import annotations
 
-from ultrascale.series.checks import on_ranks, require_finite
+from ultrascale.series.checks import RankError, on_ranks, require_finite
 
 WORLD = 2
 B, S, H, FFN = 2, 3, 8, 16  # the MLP: x [B, S, H], w1 [FFN, H], w2 [H, FFN]
-TOKENS, VOCAB = 12, 10  # the loss: logits [TOKENS, VOCAB], each rank VOCAB / WORLD columns
+ACTIVATION_BYTES = B * S * H * 4  # what f and g all-reduce: one fp32 [b, s, h] tensor
+WEIGHT_SHARD_BYTES = FFN // WORLD * H * 4  # w1_shard [f/t, h] and w2_shard [h, f/t] alike
+TOKENS, VOCAB = 12, 64  # the loss: logits [TOKENS, VOCAB], each rank VOCAB / WORLD columns
+# A few numbers per token may travel (the max, the sum of exp, the target logit, even in float64);
+# a shard of logits is VOCAB / WORLD = 32 per token, at least 64 bytes a token in any float type.
+PER_TOKEN_BYTES = 8 * 8
+_GATHERS = ("all_gather", "all_gather_single", "all_gather_into_tensor", "gather", "all_gather_object")
+
+
+def _sizes_failed(e: RankError) -> bool:
+    first = str(e).splitlines()[0].lower()
+    return "shape" in first or "size" in first
 
 
 # -- exercise 1: the tensor-parallel MLP --------------------------------------------------
@@ -28,8 +43,11 @@ def _mlp_tensors(seed):
 
 
 def _mlp_case(tp_mlp, seed):
-    """On each rank: the learner's MLP on its shards; its output and gradients."""
+    """On each rank: the learner's MLP on its shards; its output, its gradients, and the collectives
+    it called in forward and in backward."""
     import torch.distributed as dist
+
+    from ultrascale.series import watch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x, w1, w2, cot = _mlp_tensors(seed)
@@ -40,10 +58,12 @@ def _mlp_case(tp_mlp, seed):
     w2_shard = w2[:, mine].clone().requires_grad_()   # row-parallel: the matching input features
     out = tp_mlp(x, w1_shard, w2_shard)
     assert out is not None, "tp_mlp returned None: return the MLP's output"
+    forward = watch.calls()
     if out.requires_grad:
         (out * cot).sum().backward()
+    backward = watch.calls()[len(forward):]
     grads = [None if t.grad is None else t.grad.detach().clone() for t in (x, w1_shard, w2_shard)]
-    return out.detach().clone(), grads, out.requires_grad
+    return out.detach().clone(), grads, out.requires_grad, forward, backward
 
 
 def _mlp_reference(x, w1, w2, cot, scale_x=1.0, rows=None):
@@ -57,63 +77,158 @@ def _mlp_reference(x, w1, w2, cot, scale_x=1.0, rows=None):
     return out.detach(), x.grad, w1.grad, w2.grad
 
 
-def exercise_1(tp_mlp):
-    """tp_mlp(x, w1_shard, w2_shard) on 2 ranks: column-parallel w1, row-parallel w2, f and g."""
+def _mlp_untransposed(x, w1, w2):
+    """The sum over ranks of gelu(x @ w1_shard) @ w2_shard: the shards taken as [in, out] (h = f/t here,
+    so the shapes let it through)."""
+    import torch.nn.functional as F
+
+    n = FFN // WORLD
+    return sum(F.gelu(x.double() @ w1.double()[r * n:(r + 1) * n]) @ w2.double()[:, r * n:(r + 1) * n]
+               for r in range(WORLD))
+
+
+def _mlp_forbidden(rank, forward, backward):
+    """Any collective but all-reduce: the weights gathered, or an all-reduce written by hand."""
+    for phase, calls in (("forward", forward), ("backward", backward)):
+        for c in calls:
+            if c.kind == "all_reduce":
+                continue
+            if c.kind in _GATHERS and c.bytes == WEIGHT_SHARD_BYTES:
+                raise AssertionError(
+                    f"rank {rank} called {c} in {phase}: it gathered the weights of the other ranks, so every rank "
+                    f"holds and runs the whole MLP, as without tensor parallelism. Never move the weights: compute "
+                    f"your f/t hidden features with w1_shard, your partial output with w2_shard, and let g "
+                    f"all-reduce the [b, s, h] partial outputs")
+            if c.kind in _GATHERS:
+                who = "g's forward" if phase == "forward" else "f's backward"
+                raise AssertionError(
+                    f"rank {rank}: {who} all-gathered ({c}) and summed locally: every rank then holds {WORLD} "
+                    f"copies of the [b, s, h] tensor. {who} is one all-reduce (dist.all_reduce), which sums the "
+                    f"partial tensors in place")
+            raise AssertionError(
+                f"rank {rank} called {c} in {phase}: the tensor-parallel MLP communicates only through g's "
+                f"all-reduce in forward and f's all-reduce in backward")
+
+
+def _mlp_values(rank, got, x, w1, w2, cot, want):
+    """The output against one process's, naming the known wrong versions."""
     import torch
 
-    seed = 81
-    results = on_ranks(WORLD, _mlp_case, tp_mlp, seed, timeout=60)
-    x, w1, w2, cot = _mlp_tensors(seed)
-    out, gx, gw1, gw2 = _mlp_reference(x, w1, w2, cot)
+    out = want[0]
     n = FFN // WORLD
+    mine = slice(rank * n, (rank + 1) * n)
 
     def near(a, b):
         return a is not None and tuple(a.shape) == tuple(b.shape) and torch.allclose(a.double(), b, atol=1e-5)
 
-    for rank, (got, (got_x, got_w1, got_w2), differentiable) in enumerate(results):
-        mine = slice(rank * n, (rank + 1) * n)
-        own = _mlp_reference(x, w1, w2, cot, rows=mine)
-        assert tuple(got.shape) == tuple(out.shape), (
-            f"rank {rank} returned shape {tuple(got.shape)}: after g every rank holds the whole output "
-            f"{tuple(out.shape)}; the row-parallel linear maps its {n} features back to h = {H}")
-        require_finite(got, f"rank {rank}'s output")
-        if not near(got, out):
-            if near(got, own[0]):
-                raise AssertionError(f"rank {rank}'s output is only its own partial sum (through its {n} of "
-                                     f"{FFN} hidden features): g's forward must all-reduce (sum) the row-parallel "
-                                     f"outputs over the ranks")
-            if near(got, _mlp_reference(x, w1, w2, cot, scale_x=WORLD)[0]):
-                raise AssertionError(f"rank {rank} computed the MLP of {WORLD}x its input: f's forward is the "
-                                     f"identity (every rank already holds x); the all-reduce belongs to its backward")
-            if near(got, WORLD * own[0]) or near(got, out / WORLD):
-                raise AssertionError(f"rank {rank}'s output is off by a factor of {WORLD}: g sums the partial "
-                                     f"outputs (no average, no scaling)")
-            err = (got.double() - out).abs().max().item()
-            raise AssertionError(f"rank {rank}'s output differs from the single-process MLP by {err:.2e}: "
-                                 f"gelu(f(x) @ w1_shard.T) @ w2_shard.T, then g")
-        if not differentiable or got_x is None:
-            raise AssertionError(f"rank {rank}: no gradient reached x; the output must come from autograd "
-                                 f"operations (your f and g's .apply, not a detached copy)")
-        if got_w1 is None or got_w2 is None:
-            raise AssertionError(f"rank {rank}: no gradient reached w1_shard or w2_shard: use them in the forward")
-        require_finite([got_x, got_w1, got_w2], f"rank {rank}'s gradients of x, w1_shard and w2_shard")
-        if near(got_x, WORLD * gx) and near(got_w1, WORLD * gw1[mine]):
-            raise AssertionError(f"rank {rank}'s gradients are {WORLD}.000x the single-process ones: g's backward "
-                                 f"is the identity (the output's gradient is already whole on every rank); "
-                                 f"all-reducing it there sums {WORLD} copies")
-        if not near(got_x, gx):
-            if near(got_x, own[1]):
-                raise AssertionError(f"rank {rank}'s x.grad only holds the part that flows through its own "
-                                     f"{n} hidden features: f's backward must all-reduce (sum) the input gradient")
-            if near(got_x, gx / WORLD):
-                raise AssertionError(f"rank {rank}'s x.grad is 1/{WORLD} of the single-process one: f's backward "
-                                     f"sums the partial gradients, it does not average them")
-            err = (got_x.double() - gx).abs().max().item()
-            raise AssertionError(f"rank {rank}'s x.grad differs from the single-process one by {err:.2e}: f's "
-                                 f"backward all-reduces the gradient, g's backward passes it through")
-        if not near(got_w1, gw1[mine]) or not near(got_w2, gw2[:, mine]):
-            raise AssertionError(f"rank {rank}'s weight gradients differ from the single-process ones' "
-                                 f"shards (w1 rows {mine.start}:{mine.stop}, w2 columns {mine.start}:{mine.stop})")
+    own = _mlp_reference(x, w1, w2, cot, rows=mine)
+    assert tuple(got.shape) == tuple(out.shape), (
+        f"rank {rank} returned shape {tuple(got.shape)}: after g every rank holds the whole output "
+        f"{tuple(out.shape)}; the row-parallel linear maps its {n} features back to h = {H}")
+    require_finite(got, f"rank {rank}'s output")
+    if near(got, out):
+        return own
+    if near(got, own[0]):
+        raise AssertionError(f"rank {rank}'s output is only its own partial sum (through its {n} of "
+                             f"{FFN} hidden features): g's forward must all-reduce (sum) the row-parallel "
+                             f"outputs over the ranks")
+    if near(got, _mlp_reference(x, w1, w2, cot, scale_x=WORLD)[0]):
+        raise AssertionError(f"rank {rank} computed the MLP of {WORLD}x its input: f's forward is the "
+                             f"identity (every rank already holds x); the all-reduce belongs to its backward")
+    if near(got, WORLD * own[0]) or near(got, out / WORLD):
+        raise AssertionError(f"rank {rank}'s output is off by a factor of {WORLD}: g sums the partial "
+                             f"outputs (no average, no scaling)")
+    if near(got, _mlp_untransposed(x, w1, w2)):
+        raise AssertionError(f"rank {rank} multiplied by the shards as they are: the weights are stored as "
+                             f"nn.Linear does, [out, in] (w1_shard is [f/t, h]); use x @ w1_shard.t() and "
+                             f"hidden @ w2_shard.t()")
+    err = (got.double() - out).abs().max().item()
+    raise AssertionError(f"rank {rank}'s output differs from the single-process MLP by {err:.2e}: "
+                         f"gelu(f(x) @ w1_shard.T) @ w2_shard.T, then g")
+
+
+def _mlp_gradients(rank, grads, differentiable, want, own):
+    import torch
+
+    got_x, got_w1, got_w2 = grads
+    _, gx, gw1, gw2 = want
+    n = FFN // WORLD
+    mine = slice(rank * n, (rank + 1) * n)
+
+    def near(a, b):
+        return a is not None and tuple(a.shape) == tuple(b.shape) and torch.allclose(a.double(), b, atol=1e-5)
+
+    if not differentiable or got_x is None:
+        raise AssertionError(f"rank {rank}: no gradient reached x; the output must come from autograd "
+                             f"operations (your f and g's .apply, not a detached copy)")
+    if got_w1 is None or got_w2 is None:
+        raise AssertionError(f"rank {rank}: no gradient reached w1_shard or w2_shard: use them in the forward")
+    require_finite([got_x, got_w1, got_w2], f"rank {rank}'s gradients of x, w1_shard and w2_shard")
+    if near(got_x, WORLD * gx) and near(got_w1, WORLD * gw1[mine]):
+        raise AssertionError(f"rank {rank}'s gradients are {WORLD}.000x the single-process ones: g's backward "
+                             f"is the identity (the output's gradient is already whole on every rank); "
+                             f"all-reducing it there sums {WORLD} copies")
+    if near(got_x, gx / WORLD) and near(got_w1, gw1[mine] / WORLD):
+        raise AssertionError(f"rank {rank}'s gradients are 1/{WORLD} of the single-process ones: g's backward "
+                             f"passes the gradient through as it is (no average, no scaling)")
+    if not near(got_x, gx):
+        if near(got_x, own[1]):
+            raise AssertionError(f"rank {rank}'s x.grad only holds the part that flows through its own "
+                                 f"{n} hidden features: f's backward must all-reduce (sum) the input gradient")
+        if near(got_x, gx / WORLD):
+            raise AssertionError(f"rank {rank}'s x.grad is 1/{WORLD} of the single-process one: f's backward "
+                                 f"sums the partial gradients, it does not average them")
+        err = (got_x.double() - gx).abs().max().item()
+        raise AssertionError(f"rank {rank}'s x.grad differs from the single-process one by {err:.2e}: f's "
+                             f"backward all-reduces the gradient, g's backward passes it through")
+    if not near(got_w1, gw1[mine]) or not near(got_w2, gw2[:, mine]):
+        raise AssertionError(f"rank {rank}'s weight gradients differ from the single-process ones' "
+                             f"shards (w1 rows {mine.start}:{mine.stop}, w2 columns {mine.start}:{mine.stop})")
+
+
+def _mlp_collectives(rank, forward, backward):
+    """Right values: now how. One all-reduce (sum) of the [b, s, h] activation over both ranks each way."""
+    everyone = tuple(range(WORLD))
+    for phase, calls, who, why in (
+            ("forward", forward, "g's", "f's forward is the identity (every rank already holds x)"),
+            ("backward", backward, "f's", "g's backward is the identity (the output's gradient is already whole "
+                                          "on every rank)")):
+        if len(calls) != 1:
+            said = "; ".join(map(str, calls)) or "none"
+            raise AssertionError(f"rank {rank} made {len(calls)} all-reduces in {phase} ({said}): the only one "
+                                 f"is {who}; {why}")
+        (c,) = calls
+        if c.op != "SUM":
+            raise AssertionError(f"rank {rank}'s {phase} all-reduce is {c}: {who} all-reduce sums (ReduceOp.SUM)")
+        if c.group != everyone:
+            raise AssertionError(f"rank {rank}'s {phase} all-reduce ran over ranks {list(c.group)}: {who} "
+                                 f"all-reduce spans the whole tensor-parallel group {list(everyone)}")
+        if c.bytes != ACTIVATION_BYTES:
+            raise AssertionError(f"rank {rank}'s {phase} all-reduce carried {c.bytes} B: {who} all-reduce moves "
+                                 f"the [b, s, h] activation, {B}*{S}*{H} fp32 values = {ACTIVATION_BYTES} B")
+
+
+def exercise_1(tp_mlp):
+    """tp_mlp(x, w1_shard, w2_shard) on 2 ranks: column-parallel w1, row-parallel w2, f and g."""
+    seed = 81
+    try:
+        results = on_ranks(WORLD, _mlp_case, tp_mlp, seed, timeout=60)
+    except RankError as e:
+        if not _sizes_failed(e):
+            raise
+        raise AssertionError(f"a rank failed with a size error ({str(e).splitlines()[0][:160]}): x is whole "
+                             f"on every rank ([b, s, h]), so f's forward is the identity; w1_shard [f/t, h] "
+                             f"makes [b, s, f/t] hidden features, w2_shard [h, f/t] maps them back to "
+                             f"[b, s, h]") from None
+    x, w1, w2, cot = _mlp_tensors(seed)
+    want = _mlp_reference(x, w1, w2, cot)
+    for rank, (_, _, _, forward, backward) in enumerate(results):
+        _mlp_forbidden(rank, forward, backward)
+    for rank, (got, grads, differentiable, _, _) in enumerate(results):
+        own = _mlp_values(rank, got, x, w1, w2, cot, want)
+        _mlp_gradients(rank, grads, differentiable, want, own)
+    for rank, (_, _, _, forward, backward) in enumerate(results):
+        _mlp_collectives(rank, forward, backward)
 
 
 # -- exercise 2: vocabulary-parallel cross-entropy --------------------------------------------
@@ -128,97 +243,130 @@ def _ce_tensors(seed, shift):
 
 
 def _ce_case(vocab_parallel_ce, seed, shift):
-    """On each rank: its columns of the logits -> the learner's loss, and whether it gathered logits."""
+    """On each rank: its columns of the logits -> the learner's loss (None if not one number)."""
     import torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     logits, targets = _ce_tensors(seed, shift)
     n = VOCAB // world
-    names = [name for name in ("all_gather", "all_gather_into_tensor", "all_gather_object", "gather",
-                               "broadcast", "send", "isend") if hasattr(dist, name)]
-    real = {name: getattr(dist, name) for name in names}
-    used = []
-
-    def spy(name):
-        def wrapped(*args, **kwargs):
-            used.append(name)
-            return real[name](*args, **kwargs)
-        return wrapped
-
-    for name in names:
-        setattr(dist, name, spy(name))
-    try:
-        loss = vocab_parallel_ce(logits[:, rank * n:(rank + 1) * n].clone(), targets.clone(), rank * n)
-    finally:
-        for name in names:
-            setattr(dist, name, real[name])
+    loss = vocab_parallel_ce(logits[:, rank * n:(rank + 1) * n].clone(), targets.clone(), rank * n)
     assert loss is not None, "vocab_parallel_ce returned None: return the mean loss"
-    return float(torch.as_tensor(loss).float().reshape(-1)[0]) if torch.as_tensor(loss).numel() == 1 else None, \
-        used
+    loss = torch.as_tensor(loss)
+    return float(loss.detach().double().reshape(-1)[0]) if loss.numel() == 1 else None
 
 
 def _ce_variants(logits, targets):
-    """Losses of the wrong answers, in float64."""
+    """Losses of the wrong answers, in float64: {name: [rank 0's, rank 1's, ...]}."""
     import torch
 
     z = logits.double()
     n = VOCAB // WORLD
     shards = [z[:, r * n:(r + 1) * n] for r in range(WORLD)]
+    owner = targets // n
     gmax = z.max(-1).values
+    lse = torch.logsumexp(z - gmax[:, None], -1)
+    true_target = z.gather(1, targets[:, None]).squeeze(1) - gmax
     # each rank shifts by its own max, the sums of exp still added together
     local = sum((s - s.max(-1, keepdim=True).values).exp().sum(-1) for s in shards)
-    true_target = z.gather(1, targets[:, None]).squeeze(1)
-    owner_max = torch.stack([s.max(-1).values for s in shards], 1).gather(1, (targets // n)[:, None]).squeeze(1)
-    wrong_local = (local.log() - (true_target - owner_max)).mean().item()
+    owner_max = torch.stack([s.max(-1).values for s in shards], 1).gather(1, owner[:, None]).squeeze(1)
+    wrong_local = (local.log() - (true_target + gmax - owner_max)).mean().item()
     # every rank adds a target logit, clamped into its shard, owner or not
     clamped = sum((s - gmax[:, None]).gather(1, (targets - r * n).clamp(0, n - 1)[:, None]).squeeze(1)
                   for r, s in enumerate(shards))
-    lse = torch.logsumexp(z - gmax[:, None], -1)
-    return {"local": wrong_local, "clamped": (lse - clamped).mean().item(),
-            "sum": (lse - (true_target - gmax)).sum().item()}
+    # the target's column taken as `targets`, not `targets - vocab_start`: every rank "owns" the ids below n
+    low = targets < n
+    unshifted = sum(torch.where(low, (s - gmax[:, None]).gather(1, targets.clamp(0, n - 1)[:, None]).squeeze(1), 0)
+                    for s in shards)
+    return {
+        "local": [wrong_local] * WORLD,
+        "clamped": [(lse - clamped).mean().item()] * WORLD,
+        "unshifted": [(lse - unshifted).mean().item()] * WORLD,
+        "sum": [(lse - true_target).sum().item()] * WORLD,
+        # the owner's target logit not all-reduced: each rank only has those of its own targets
+        "own_target": [(lse - torch.where(owner == r, true_target, 0)).mean().item() for r in range(WORLD)],
+        # the sum of exp of the rank's own columns, with the global max
+        "own_sum": [((s - gmax[:, None]).exp().sum(-1).log() - true_target).mean().item() for s in shards],
+    }
+
+
+def _ce_moved_logits(rank, calls):
+    """The point of the exercise: no rank receives logits, only a few numbers per token."""
+    for c in calls:
+        if c.kind.endswith("_object") or c.kind.endswith("_object_list"):
+            raise AssertionError(f"rank {rank} called dist.{c.kind}: the point is never to move the "
+                                 f"[tokens, vocab] logits; all-reduce three numbers per token instead (the max, "
+                                 f"the sum of exp, the target logit)")
+        if c.bytes < PER_TOKEN_BYTES * TOKENS:
+            continue
+        if c.kind == "all_reduce":
+            raise AssertionError(f"rank {rank} all-reduced {c.bytes:,} B ({c}): that is the whole [tokens, "
+                                 f"vocab] logits on every rank, the memory vocabulary parallelism saves. "
+                                 f"all-reduce three numbers per token instead (the max, the sum of exp, the "
+                                 f"target logit): [{TOKENS}] tensors of {TOKENS * 4} B")
+        raise AssertionError(f"rank {rank} called {c}: the point is never to move the [tokens, vocab] logits "
+                             f"(a shard is {TOKENS}x{VOCAB // WORLD} values); all-reduce three numbers per token "
+                             f"instead (the max, the sum of exp, the target logit)")
+
+
+def _ce_mistake(rank, got, want, variants, shift):
+    """The message for a loss that is not F.cross_entropy's, naming the known mistakes."""
+    import math
+
+    def near(value, target):
+        return abs(value - target) <= 1e-4 * max(1.0, abs(target))
+
+    if not math.isfinite(got):
+        if not shift:  # logits of a few units: no exp() overflows here
+            raise AssertionError(f"a NaN or an infinity in rank {rank}'s loss, with logits of a few units "
+                                 f"where no exp() overflows: look for an inf or a NaN you put in (a -inf "
+                                 f"mask summed over the ranks) or a log of 0")
+        raise AssertionError(f"with logits around {shift:.0f} rank {rank}'s loss is {got}: exp overflows; "
+                             f"subtract the max over the whole vocabulary (all-reduce MAX) before exp")
+    if near(got, variants["local"][rank]):
+        raise AssertionError(f"rank {rank}: each rank shifted its logits by its own max, so the sums of "
+                             f"exp you added are in different units: all-reduce the max (ReduceOp.MAX) "
+                             f"first and subtract the global one everywhere")
+    if near(got, variants["clamped"][rank]):
+        raise AssertionError(f"rank {rank}: every rank added a target logit, also for targets outside its "
+                             f"shard; only the owner (vocab_start <= target < vocab_start + shard) "
+                             f"contributes it, the others add 0 before the all-reduce")
+    if near(got, variants["unshifted"][rank]):
+        raise AssertionError(f"rank {rank} looked the targets up as columns of its shard as they are: a target "
+                             f"id counts from the start of the whole vocabulary, so its column on this rank is "
+                             f"targets - vocab_start (yours where 0 <= it < {VOCAB // WORLD})")
+    if near(got, variants["own_target"][rank]):
+        raise AssertionError(f"rank {rank} did not add the target logits of the tokens the other ranks own: "
+                             f"the owner's z_target reaches everyone by an all-reduce (sum) of the target "
+                             f"logit, 0 where this rank is not the owner")
+    if near(got, variants["own_sum"][rank]):
+        raise AssertionError(f"rank {rank} took the log of the sum of exp over its own {VOCAB // WORLD} "
+                             f"columns: all-reduce (sum) the sums of exp(z - max) of all the shards before "
+                             f"the log")
+    if near(got, variants["sum"][rank]):
+        raise AssertionError(f"rank {rank} returned the sum over the {TOKENS} tokens ({got:.4f}); "
+                             f"F.cross_entropy averages: divide by the number of tokens")
+    if abs(got - WORLD * want) <= 1e-4 * abs(want) or abs(got - want / WORLD) <= 1e-4 * abs(want):
+        raise AssertionError(f"rank {rank}'s loss is off by a factor of {WORLD} ({got:.4f} vs {want:.4f}): "
+                             f"the loss is computed once from the all-reduced sums, not added over ranks")
+    raise AssertionError(f"rank {rank}'s loss {got:.6f} differs from F.cross_entropy on the whole "
+                         f"logits, {want:.6f}: loss = log(sum exp(z - max)) - (z_target - max), "
+                         f"averaged over tokens")
 
 
 def exercise_2(vocab_parallel_ce):
     """vocab_parallel_ce(logits_shard, targets, vocab_start) on 2 ranks -> the mean cross-entropy."""
-    import math
-
     import torch.nn.functional as F
 
     for seed, shift in ((82, 0.0), (83, 1000.0)):
-        results = on_ranks(WORLD, _ce_case, vocab_parallel_ce, seed, shift, timeout=60)
+        calls = []
+        results = on_ranks(WORLD, _ce_case, vocab_parallel_ce, seed, shift, timeout=60, calls=calls)
+        for rank, made in enumerate(calls):
+            _ce_moved_logits(rank, made)
         logits, targets = _ce_tensors(seed, shift)
         want = F.cross_entropy(logits.double(), targets).item()
         variants = _ce_variants(logits, targets)
-        for rank, (got, used) in enumerate(results):
+        for rank, got in enumerate(results):
             assert got is not None, f"rank {rank} returned more than one number: return the mean loss, a scalar"
-            if used:
-                raise AssertionError(f"rank {rank} called dist.{used[0]}: the point is never to move the "
-                                     f"[tokens, vocab] logits; all-reduce three numbers per token instead (the max, "
-                                     f"the sum of exp, the target logit)")
-            if not math.isfinite(got):
-                if not shift:  # logits of a few units: no exp() overflows here
-                    raise AssertionError(f"a NaN or an infinity in rank {rank}'s loss, with logits of a few units "
-                                         f"where no exp() overflows: look for an inf or a NaN you put in (a -inf "
-                                         f"mask summed over the ranks) or a log of 0")
-                raise AssertionError(f"with logits around {shift:.0f} rank {rank}'s loss is {got}: exp overflows; "
-                                     f"subtract the max over the whole vocabulary (all-reduce MAX) before exp")
-            if abs(got - want) <= 1e-4 * max(1.0, abs(want)):
-                continue
-            if abs(got - variants["local"]) <= 1e-4 * max(1.0, abs(want)):
-                raise AssertionError(f"rank {rank}: each rank shifted its logits by its own max, so the sums of "
-                                     f"exp you added are in different units: all-reduce the max (ReduceOp.MAX) "
-                                     f"first and subtract the global one everywhere")
-            if abs(got - variants["clamped"]) <= 1e-4 * max(1.0, abs(want)):
-                raise AssertionError(f"rank {rank}: every rank added a target logit, also for targets outside its "
-                                     f"shard; only the owner (vocab_start <= target < vocab_start + shard) "
-                                     f"contributes it, the others add 0 before the all-reduce")
-            if abs(got - variants["sum"]) <= 1e-4 * max(1.0, abs(variants["sum"])):
-                raise AssertionError(f"rank {rank} returned the sum over the {TOKENS} tokens ({got:.4f}); "
-                                     f"F.cross_entropy averages: divide by the number of tokens")
-            if abs(got - WORLD * want) <= 1e-4 * abs(want) or abs(got - want / WORLD) <= 1e-4 * abs(want):
-                raise AssertionError(f"rank {rank}'s loss is off by a factor of {WORLD} ({got:.4f} vs {want:.4f}): "
-                                     f"the loss is computed once from the all-reduced sums, not added over ranks")
-            raise AssertionError(f"rank {rank}'s loss {got:.6f} differs from F.cross_entropy on the whole "
-                                 f"logits, {want:.6f}: loss = log(sum exp(z - max)) - (z_target - max), "
-                                 f"averaged over tokens")
+            if abs(got - want) > 1e-4 * max(1.0, abs(want)):
+                _ce_mistake(rank, got, want, variants, shift)

@@ -3,19 +3,28 @@ autograd functions on 2 real ranks, and the activation memory per rank of our bl
 under TP and TP+SP.
 
 Exercise 1's expected values come from one process running the whole block in float64
-(autograd for the gradients). Exercise 2's come from the engine's own block, built by
-its TP (+SP) transform on 2 real ranks and measured with its ActivationMeter (the
-bytes autograd keeps for backward, parameters excluded), and from one process for t = 1.
+(autograd for the gradients), and the collectives each rank called are read back
+(series/watch.py): one all-gather of the [b, s/t, h] shard and one reduce-scatter of the
+[b, s, h] partial outputs in forward, the same pair in backward, never an all-reduce
+(right values, twice the bytes) nor an all-gather of whole partial outputs. Exercise 2's
+come from the engine's own block, built by its TP (+SP) transform on 2 real ranks and
+measured with its ActivationMeter (the bytes autograd keeps for backward, parameters
+excluded), and from one process for t = 1; both are measured once per shape.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
-from ultrascale.series.checks import on_ranks, require_finite
+from ultrascale.series.checks import RankError, on_ranks, require_finite
 
 WORLD = 2
 B, S, H, FFN = 2, 4, 8, 16  # x [B, S, H]; each rank holds S / WORLD positions
+SHARD_BYTES = B * (S // WORLD) * H * 4  # what an all-gather puts in: this rank's fp32 [b, s/t, h]
+WHOLE_BYTES = B * S * H * 4  # what a reduce-scatter puts in: the fp32 [b, s, h] partial sums
+_GATHERS = ("all_gather", "all_gather_single", "all_gather_into_tensor")
+_SCATTERS = ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor")
 
 
 # -- exercise 1: the sequence-parallel block ----------------------------------------------------
@@ -31,7 +40,11 @@ def _block_tensors(seed):
 
 
 def _block_case(sp_block, seed):
+    """On each rank: the learner's block on its positions and shards; its output, its gradients, and the
+    collectives it called in forward and in backward."""
     import torch.distributed as dist
+
+    from ultrascale.series import watch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x, w1, w2, cot = _block_tensors(seed)
@@ -40,22 +53,14 @@ def _block_case(sp_block, seed):
     x_shard = x[:, rows].clone().requires_grad_()
     w1_shard = w1[mine].clone().requires_grad_()
     w2_shard = w2[:, mine].clone().requires_grad_()
-    real, used = dist.all_reduce, []
-
-    def spy(*args, **kwargs):
-        used.append("all_reduce")
-        return real(*args, **kwargs)
-
-    dist.all_reduce = spy
-    try:
-        out = sp_block(x_shard, w1_shard, w2_shard)
-        assert out is not None, "sp_block returned None: return the block's output for this rank's positions"
-        if out.requires_grad and tuple(out.shape) == tuple(cot[:, rows].shape):
-            (out * cot[:, rows]).sum().backward()
-    finally:
-        dist.all_reduce = real
+    out = sp_block(x_shard, w1_shard, w2_shard)
+    assert out is not None, "sp_block returned None: return the block's output for this rank's positions"
+    forward = watch.calls()
+    if out.requires_grad and tuple(out.shape) == tuple(cot[:, rows].shape):
+        (out * cot[:, rows]).sum().backward()
+    backward = watch.calls()[len(forward):]
     grads = [None if t.grad is None else t.grad.detach().clone() for t in (x_shard, w1_shard, w2_shard)]
-    return out.detach().clone(), grads, used
+    return out.detach().clone(), grads, forward, backward
 
 
 def _block_reference(x, w1, w2, cot, cols=None, cot_rows=None):
@@ -77,74 +82,169 @@ def _block_reference(x, w1, w2, cot, cols=None, cot_rows=None):
     return out.detach(), x.grad, w1.grad, w2.grad
 
 
-def exercise_1(sp_block):
-    """sp_block(x_shard, w1_shard, w2_shard) on 2 ranks: the SP residual MLP block with g and g-bar."""
+def _sp_sizes_failed(e: RankError) -> AssertionError | None:
+    first = str(e).splitlines()[0]
+    if "shape" not in first.lower() and "size" not in first.lower():
+        return None
+    return AssertionError(f"a rank failed with a size error ({first[:160]}): g all-gathers along dim 1, the "
+                          f"sequence ([b, s/t, h] -> [b, s, h], torch.cat(parts, dim=1)), and g-bar reduce-"
+                          f"scatters along dim 1 too ([b, s, h] -> [b, s/t, h]); the batch and the hidden "
+                          f"dims stay as they are")
+
+
+def _sp_forbidden(rank, forward, backward):
+    """An all-reduce, or an all-gather of whole partial sums: the right values without SP's memory."""
+    for phase, calls in (("forward", forward), ("backward", backward)):
+        for c in calls:
+            if c.kind == "all_reduce":
+                raise AssertionError(
+                    f"rank {rank} called {c} in {phase}: sequence parallelism replaces each all-reduce by an "
+                    f"all-gather and a reduce-scatter (same bytes in all); all_reduce and a slice move twice "
+                    f"the data and hold the whole [b, s, h] sum on every rank")
+            if c.kind in _GATHERS and c.bytes == WHOLE_BYTES:
+                who = "g-bar's forward" if phase == "forward" else "g's backward"
+                raise AssertionError(
+                    f"rank {rank}: {who} all-gathered the whole [b, s, h] partial sums ({c}) and added them up: "
+                    f"every rank then holds {WORLD} copies of the whole sequence. {who} is a reduce-scatter "
+                    f"(dist.reduce_scatter): each rank receives only the sum of its own positions")
+            if c.kind not in _GATHERS + _SCATTERS:
+                raise AssertionError(
+                    f"rank {rank} called {c} in {phase}: g and g-bar communicate by one all-gather and one "
+                    f"reduce-scatter each way, nothing else")
+
+
+def _sp_output(rank, got, x, w1, w2, cot, out):
     import torch
 
-    seed = 91
-    results = on_ranks(WORLD, _block_case, sp_block, seed, timeout=60)
-    x, w1, w2, cot = _block_tensors(seed)
-    out, gx, gw1, gw2 = _block_reference(x, w1, w2, cot)
     n, m = FFN // WORLD, S // WORLD
+    mine, rows = slice(rank * n, (rank + 1) * n), slice(rank * m, (rank + 1) * m)
+    other = WORLD - 1 - rank
+    want = out[:, rows]
+    xd = x.double()
 
     def near(a, b):
         return a is not None and tuple(a.shape) == tuple(b.shape) and torch.allclose(a.double(), b, atol=1e-5)
 
-    for rank, (got, (got_x, got_w1, got_w2), used) in enumerate(results):
-        mine, rows = slice(rank * n, (rank + 1) * n), slice(rank * m, (rank + 1) * m)
-        want = out[:, rows]
-        if tuple(got.shape) == tuple(out.shape):
-            raise AssertionError(f"rank {rank} returned the whole sequence {tuple(got.shape)}: leaving the region, "
-                                 f"g-bar reduce-scatters, so each rank keeps its {m} positions {tuple(want.shape)}")
-        assert tuple(got.shape) == tuple(want.shape), (
-            f"rank {rank} returned shape {tuple(got.shape)}; it holds positions {rows.start}..{rows.stop - 1} of "
-            f"the sequence: {tuple(want.shape)} (all-gather and reduce-scatter along dim 1, the sequence)")
-        require_finite(got, f"rank {rank}'s output")
-        if not near(got, want):
-            partial = _block_reference(x, w1, w2, cot, cols=mine)[0]
-            if near(got, x.double()[:, rows] + partial[:, rows]):
-                raise AssertionError(f"rank {rank}'s output only has its own partial sum: the row-parallel outputs "
-                                     f"are partial sums over the hidden features; g-bar's forward reduce-scatters "
-                                     f"(sums, then keeps this rank's positions), not just slices")
-            err = (got.double() - want).abs().max().item()
-            raise AssertionError(f"rank {rank}'s output differs from the single-process block's rows by "
-                                 f"{err:.2e}: norm on the shard, all-gather, the two linears, reduce-scatter, "
-                                 f"then the residual")
-        if used:
-            raise AssertionError(f"rank {rank} called dist.all_reduce: sequence parallelism replaces each all-reduce "
-                                 f"by an all-gather and a reduce-scatter (same bytes in all); all_reduce and a "
-                                 f"slice moves twice the data")
-        if got_x is None or got_w1 is None or got_w2 is None:
-            raise AssertionError(f"rank {rank}: no gradient reached x_shard or the weights; build the output "
-                                 f"with your autograd functions' .apply")
-        require_finite([got_x, got_w1, got_w2], f"rank {rank}'s gradients")
-        if not (near(got_w1, gw1[mine]) and near(got_w2, gw2[:, mine])):
-            masked = _block_reference(x, w1, w2, cot, cols=mine, cot_rows=rows)
-            if near(got_w2, masked[3][:, mine]):
-                raise AssertionError(f"rank {rank}'s weight gradients only see its own positions' gradient: "
-                                     f"g-bar's backward must all-gather the output gradient (the row-parallel "
-                                     f"output covered the whole sequence), not pad it with zeros")
-            raise AssertionError(f"rank {rank}'s weight gradients differ from the single-process ones' shards: "
-                                 f"g-bar's backward all-gathers the gradient along the sequence")
-        if not near(got_x, gx[:, rows]):
-            own = _block_reference(x, w1, w2, cot, cols=mine)[1] + cot.double()
-            if near(got_x, own[:, rows]):
-                raise AssertionError(f"rank {rank}'s x gradient only holds the part through its own "
-                                     f"{n} hidden features: g's backward must reduce-scatter (sum over ranks, "
-                                     f"keep this rank's positions), not just slice the gradient")
-            if near(got_x, gx[:, rows] * WORLD) or near(got_x - cot.double()[:, rows],
-                                                        WORLD * (gx - cot.double())[:, rows]):
-                raise AssertionError(f"rank {rank}'s x gradient is {WORLD}x too large through the MLP: the "
-                                     f"reduce-scatter sums, once")
-            err = (got_x.double() - gx[:, rows]).abs().max().item()
-            raise AssertionError(f"rank {rank}'s x gradient differs from the single-process one by {err:.2e}: "
-                                 f"g's backward reduce-scatters the gradient along the sequence")
+    if tuple(got.shape) == tuple(out.shape):
+        raise AssertionError(f"rank {rank} returned the whole sequence {tuple(got.shape)}: leaving the region, "
+                             f"g-bar reduce-scatters, so each rank keeps its {m} positions {tuple(want.shape)}")
+    assert tuple(got.shape) == tuple(want.shape), (
+        f"rank {rank} returned shape {tuple(got.shape)}; it holds positions {rows.start}..{rows.stop - 1} of "
+        f"the sequence: {tuple(want.shape)} (all-gather and reduce-scatter along dim 1, the sequence)")
+    require_finite(got, f"rank {rank}'s output")
+    if near(got, want):
+        return
+    partial = _block_reference(x, w1, w2, cot, cols=mine)[0]
+    if near(got, xd[:, rows] + partial[:, rows]):
+        raise AssertionError(f"rank {rank}'s output only has its own partial sum: the row-parallel outputs "
+                             f"are partial sums over the hidden features; g-bar's forward reduce-scatters "
+                             f"(sums, then keeps this rank's positions), not just slices")
+    if near(got, xd[:, rows] + (out - xd)[:, rows] / WORLD):
+        raise AssertionError(f"rank {rank}'s MLP output is 1/{WORLD} of the single-process one: the "
+                             f"reduce-scatter sums the partial outputs over the ranks, with no division")
+    theirs = slice(other * m, (other + 1) * m)
+    if near(got, xd[:, rows] + (out - xd)[:, theirs]):
+        raise AssertionError(f"rank {rank}'s output holds the MLP of rank {other}'s positions: g's all-gather "
+                             f"must put the ranks' positions in rank order (rank 0's first), the order in "
+                             f"which the reduce-scatter hands the chunks back")
+    err = (got.double() - want).abs().max().item()
+    raise AssertionError(f"rank {rank}'s output differs from the single-process block's rows by "
+                         f"{err:.2e}: norm on the shard, all-gather, the two linears, reduce-scatter, "
+                         f"then the residual")
+
+
+def _sp_gradients(rank, grads, x, w1, w2, cot, want):
+    import torch
+
+    got_x, got_w1, got_w2 = grads
+    _, gx, gw1, gw2 = want
+    n, m = FFN // WORLD, S // WORLD
+    mine, rows = slice(rank * n, (rank + 1) * n), slice(rank * m, (rank + 1) * m)
+    c = cot.double()
+
+    def near(a, b):
+        return a is not None and tuple(a.shape) == tuple(b.shape) and torch.allclose(a.double(), b, atol=1e-5)
+
+    if got_x is None or got_w1 is None or got_w2 is None:
+        raise AssertionError(f"rank {rank}: no gradient reached x_shard or the weights; build the output "
+                             f"with your autograd functions' .apply")
+    require_finite([got_x, got_w1, got_w2], f"rank {rank}'s gradients")
+    if not (near(got_w1, gw1[mine]) and near(got_w2, gw2[:, mine])):
+        masked = _block_reference(x, w1, w2, cot, cols=mine, cot_rows=rows)
+        if near(got_w2, masked[3][:, mine]):
+            raise AssertionError(f"rank {rank}'s weight gradients only see its own positions' gradient: "
+                                 f"g-bar's backward must all-gather the output gradient (the row-parallel "
+                                 f"output covered the whole sequence), not pad it with zeros")
+        raise AssertionError(f"rank {rank}'s weight gradients differ from the single-process ones' shards: "
+                             f"g-bar's backward all-gathers the gradient along the sequence")
+    if near(got_x, gx[:, rows]):
+        return
+    own = _block_reference(x, w1, w2, cot, cols=mine)[1] + c
+    if near(got_x, own[:, rows]):
+        raise AssertionError(f"rank {rank}'s x gradient only holds the part through its own "
+                             f"{n} hidden features: g's backward must reduce-scatter (sum over ranks, "
+                             f"keep this rank's positions), not just slice the gradient")
+    if near(got_x, gx[:, rows] * WORLD) or near(got_x - c[:, rows], WORLD * (gx - c)[:, rows]):
+        raise AssertionError(f"rank {rank}'s x gradient is {WORLD}x too large through the MLP: the "
+                             f"reduce-scatter sums, once")
+    if near(got_x - c[:, rows], (gx - c)[:, rows] / WORLD):
+        raise AssertionError(f"rank {rank}'s x gradient through the MLP is 1/{WORLD} of the single-process "
+                             f"one: the reduce-scatter sums the partial gradients in g's backward, with no "
+                             f"division")
+    err = (got_x.double() - gx[:, rows]).abs().max().item()
+    raise AssertionError(f"rank {rank}'s x gradient differs from the single-process one by {err:.2e}: "
+                         f"g's backward reduce-scatters the gradient along the sequence")
+
+
+def _sp_collectives(rank, forward, backward):
+    """Right values: now how. Forward: g's all-gather, g-bar's reduce-scatter; backward: g-bar's
+    all-gather, then g's reduce-scatter; each over both ranks, summing."""
+    everyone = tuple(range(WORLD))
+    expected = (("all-gather", _GATHERS, SHARD_BYTES, "the [b, s/t, h] shard"),
+                ("reduce-scatter", _SCATTERS, WHOLE_BYTES, "the [b, s, h] partial sums"))
+    for phase, calls, names in (("forward", forward, ("g's", "g-bar's")),
+                                ("backward", backward, ("g-bar's", "g's"))):
+        said = "; ".join(map(str, calls)) or "nothing"
+        if len(calls) != 2 or any(c.kind not in kinds for c, (_, kinds, _, _) in zip(calls, expected)):
+            raise AssertionError(f"rank {rank} called {said} in {phase}: sequence parallelism is one all-gather "
+                                 f"({names[0]}) then one reduce-scatter ({names[1]}) along the sequence")
+        for c, (what, _, size, of), who in zip(calls, expected, names):
+            if c.group != everyone:
+                raise AssertionError(f"rank {rank}'s {phase} {what} ran over ranks {list(c.group)}: {who} spans "
+                                     f"the whole tensor-parallel group {list(everyone)}")
+            if c.op not in (None, "SUM"):
+                raise AssertionError(f"rank {rank}'s {phase} {what} is {c}: the reduce-scatter sums")
+            if c.bytes != size:
+                raise AssertionError(f"rank {rank}'s {phase} {what} put in {c.bytes} B: {who} {what} starts from "
+                                     f"{of}, {size} B in fp32")
+
+
+def exercise_1(sp_block):
+    """sp_block(x_shard, w1_shard, w2_shard) on 2 ranks: the SP residual MLP block with g and g-bar."""
+    seed = 91
+    try:
+        results = on_ranks(WORLD, _block_case, sp_block, seed, timeout=60)
+    except RankError as e:
+        said = _sp_sizes_failed(e)
+        if said is None:
+            raise
+        raise said from None
+    x, w1, w2, cot = _block_tensors(seed)
+    want = _block_reference(x, w1, w2, cot)
+    for rank, (got, _, forward, backward) in enumerate(results):
+        _sp_output(rank, got, x, w1, w2, cot, want[0])
+        _sp_forbidden(rank, forward, backward)
+    for rank, (_, grads, _, _) in enumerate(results):
+        _sp_gradients(rank, grads, x, w1, w2, cot, want)
+    for rank, (_, _, forward, backward) in enumerate(results):
+        _sp_collectives(rank, forward, backward)
 
 
 # -- exercise 2: activation memory per rank, TP vs TP+SP -----------------------------------------
+@functools.lru_cache(maxsize=None)
 def block_activation_bytes_on_ranks(model_cfg, b: int, s: int, sp: bool) -> int:
     """Bytes block 0 of the engine's model keeps for backward on rank 0 of a 2-rank TP (+SP) group,
-    fp32, measured with the engine's ActivationMeter."""
+    fp32, measured with the engine's ActivationMeter (once per shape: the same every time)."""
     return on_ranks(WORLD, _measure_block, model_cfg, b, s, sp, timeout=60)[0]
 
 
@@ -170,15 +270,23 @@ def _measure_block(model_cfg, b, s, sp):
     return meter.take_peak()
 
 
-def _formula(cfg, b, s, t, sp, norm_div=None, norm_out_div=1, inner_div=None):
+@functools.lru_cache(maxsize=None)
+def _measured(cfg, b, s, t, sp) -> int:
+    """What a rank keeps: one process's block for t = 1, the engine's on 2 ranks otherwise."""
+    from ultrascale.series.checks.part2 import block_saved_bytes
+
+    return block_saved_bytes(cfg, b, s, 4) if t == 1 else block_activation_bytes_on_ranks(cfg, b, s, sp)
+
+
+def _formula(cfg, b, s, t, sp, norm_div=None, norm_out_div=1, inner_div=None, kv=None, lse=True):
     """Our block in fp32 per rank; the keywords make the known wrong versions."""
     h, a, f = cfg.hidden, cfg.heads, cfg.ffn_hidden
-    kv = cfg.kv_heads * (h // a)
+    kv = cfg.kv_heads * (h // a) if kv is None else kv
     norm_div = (t if sp else 1) if norm_div is None else norm_div
     inner_div = t if inner_div is None else inner_div
     norms = 2 * (8 * h + 4) / norm_div
     norm_outputs = 2 * 4 * h / norm_out_div
-    inner = (4 * (2 * h + 2 * kv) + 4 * a + 16 * f) / inner_div
+    inner = (4 * (2 * h + 2 * kv) + 4 * a * lse + 16 * f) / inner_div
     return b * s * (norms + norm_outputs + inner)
 
 
@@ -191,42 +299,63 @@ def _cases():
     return [(tiny, 2, 32), (tiny, 1, 64), (gqa, 2, 24)]
 
 
+def _any_split(cfg, b, s, t, sp, got, want, where):
+    """Mistakes that show whatever t is: the tensors' sizes, the bytes per value, the tokens."""
+    h, a = cfg.hidden, cfg.heads
+    if abs(got - _formula(cfg, b, s, t, sp, kv=h)) < 1:
+        raise AssertionError(f"{where}. k and v have kv_heads x head_dim = {cfg.kv_heads * (h // a)} features "
+                             f"each (GQA: {cfg.kv_heads} key/value heads of {h // a}), not h = {h}")
+    if abs(got - _formula(cfg, b, s, t, sp, lse=False)) < 1:
+        raise AssertionError(f"{where}. You forgot the fp32 logsumexp flash attention keeps for backward: one "
+                             f"per head and token, 4a bytes per token (a/t heads on a rank)")
+    if abs(got * b * s - want) < 1:
+        raise AssertionError(f"{where}: that is the bytes of one token; multiply by b * s, the tokens "
+                             f"the block ran on")
+    if abs(got * 2 - want) < 1 or abs(got - 2 * want) < 1:
+        raise AssertionError(f"{where}: off by a factor of 2; these are fp32 bytes (4 per value, the "
+                             f"logsumexp 4 per head) for b*s tokens")
+
+
+def _split_mistake(cfg, b, s, t, sp, got, where):
+    """What t divides, with and without SP."""
+    if t == 1:
+        raise AssertionError(f"{where}. With t = 1 nothing is split: this is Part 2's block, "
+                             f"b*s*(2(8h + 4) + 4(4h + 2kv + 4f) + 4a) in fp32")
+    if sp and abs(got - _formula(cfg, b, s, t, sp, norm_out_div=t)) < 1:
+        raise AssertionError(f"{where}. The norm outputs are the inputs of the column-parallel linears: "
+                             f"under SP they are all-gathered, and our engine keeps the gathered "
+                             f"[b, s, h] copy for backward (Megatron re-gathers and keeps the shard), "
+                             f"so they stay whole: 2 * 4h per token, not divided by t")
+    if sp and abs(got - _formula(cfg, b, s, t, False)) < 1:
+        raise AssertionError(f"{where}. Under SP the norms run on the rank's s/t positions: their "
+                             f"fp32 input, rstd and x*rstd (8h + 4 per token each) are divided by t")
+    if not sp and abs(got - _formula(cfg, b, s, t, False, norm_div=t, norm_out_div=t)) < 1:
+        raise AssertionError(f"{where}. Tensor parallelism alone leaves the norms and their outputs "
+                             f"whole on every rank (each needs the whole hidden vector of every token): "
+                             f"only the attention and MLP internals divide by t")
+    if not sp and abs(got - _formula(cfg, b, s, t, False, norm_out_div=t)) < 1:
+        raise AssertionError(f"{where}. The norm outputs are the inputs of the column-parallel linears, and "
+                             f"every rank needs the whole [b, s, h] of them (each multiplies it by its own "
+                             f"columns): 2 * 4h per token, not divided by t")
+    if not sp and abs(got - _formula(cfg, b, s, t, False, inner_div=1)) < 1:
+        raise AssertionError(f"{where}. Inside the region each rank holds a/t heads and f/t features: "
+                             f"q, k, v, the logsumexp, the attention output and the MLP's four "
+                             f"tensors divide by t")
+
+
 def exercise_2(activation_bytes_per_rank):
     """activation_bytes_per_rank(cfg, b, s, t, sp) -> bytes one block keeps per rank, fp32, flash SDPA."""
-    from ultrascale.series.checks.part2 import block_saved_bytes
-
     for cfg, b, s in _cases():
         for t, sp in ((1, False), (WORLD, False), (WORLD, True)):
             got = activation_bytes_per_rank(cfg, b, s, t, sp)
             assert got is not None, "return the number of bytes"
             require_finite(got, f"your byte count for {cfg.name}, b={b}, s={s}, t={t}{' with SP' if sp else ''}")
-            want = block_saved_bytes(cfg, b, s, 4) if t == 1 else block_activation_bytes_on_ranks(cfg, b, s, sp)
+            want = _measured(cfg, b, s, t, sp)
             if abs(got - want) <= 1e-9 * want:
                 continue
-            h = cfg.hidden
-            where = (f"{cfg.name} (h={h}, heads={cfg.heads}, kv_heads={cfg.kv_heads}, f={cfg.ffn_hidden}), b={b}, "
-                     f"s={s}, t={t}{' with SP' if sp else ''}: you say {got:,.0f} bytes, a rank keeps {want:,}")
-            if t == 1:
-                raise AssertionError(f"{where}. With t = 1 nothing is split: this is Part 2's block, "
-                                     f"b*s*(2(8h + 4) + 4(4h + 2kv + 4f) + 4a) in fp32")
-            if sp and abs(got - _formula(cfg, b, s, t, sp, norm_out_div=t)) < 1:
-                raise AssertionError(f"{where}. The norm outputs are the inputs of the column-parallel linears: "
-                                     f"under SP they are all-gathered, and our engine keeps the gathered "
-                                     f"[b, s, h] copy for backward (Megatron re-gathers and keeps the shard), "
-                                     f"so they stay whole: 2 * 4h per token, not divided by t")
-            if sp and abs(got - _formula(cfg, b, s, t, False)) < 1:
-                raise AssertionError(f"{where}. Under SP the norms run on the rank's s/t positions: their "
-                                     f"fp32 input, rstd and x*rstd (8h + 4 per token each) are divided by t")
-            if not sp and abs(got - _formula(cfg, b, s, t, False, norm_div=t, norm_out_div=t)) < 1:
-                raise AssertionError(f"{where}. Tensor parallelism alone leaves the norms and their outputs "
-                                     f"whole on every rank (each needs the whole hidden vector of every token): "
-                                     f"only the attention and MLP internals divide by t")
-            if not sp and abs(got - _formula(cfg, b, s, t, False, inner_div=1)) < 1:
-                raise AssertionError(f"{where}. Inside the region each rank holds a/t heads and f/t features: "
-                                     f"q, k, v, the logsumexp, the attention output and the MLP's four "
-                                     f"tensors divide by t")
-            if abs(got * 2 - want) < 1 or abs(got - 2 * want) < 1:
-                raise AssertionError(f"{where}: off by a factor of 2; these are fp32 bytes (4 per value, the "
-                                     f"logsumexp 4 per head) for b*s tokens")
+            where = (f"{cfg.name} (h={cfg.hidden}, heads={cfg.heads}, kv_heads={cfg.kv_heads}, f={cfg.ffn_hidden}), "
+                     f"b={b}, s={s}, t={t}{' with SP' if sp else ''}: you say {got:,.0f} bytes, a rank keeps {want:,}")
+            _any_split(cfg, b, s, t, sp, got, want, where)
+            _split_mistake(cfg, b, s, t, sp, got, where)
             raise AssertionError(f"{where} ({got - want:+,.0f}). Per token: 2 norms (8h + 4, /t under SP), 2 norm "
                                  f"outputs (4h, whole), and (4(2h + 2kv) + 4a + 16f)/t inside the region")
