@@ -342,7 +342,9 @@ Write the two halves of a ZeRO-1 optimizer; they run on every rank:
 
 Use `reduce_scatter(output, input)` and `all_gather(output, input)` from the setup cell. The check runs your
 functions on 2 real ranks, each on half of a batch, with a model of 43 parameters (an odd number: padding
-matters), and compares with one process running `torch.optim.Adam` on the whole batch.
+matters), and compares with one process running `torch.optim.Adam` on the whole batch. It also watches
+what each rank does: one reduce-scatter of the gradients before `opt.step()`, one all-gather of the updated
+shards after it, and no optimizer over more than the rank's own shard.
 ''',
             starter=EX1_STARTER,
             solution=EX1_SOLUTION,
@@ -408,11 +410,14 @@ part6.exercise_2(zero1_bytes_per_rank)
             "optimizer step.",
         ),
         QuizQuestion(
-            "With ZeRO-1 on N GPUs, what does memory per GPU approach as N grows very large (playbook recipe)?",
+            "With ZeRO-1 on N GPUs, what does the memory of the model states per GPU (parameters, gradients and "
+            "optimizer states) approach as N grows very large (playbook recipe)?",
             ["Zero", "4 bytes per parameter: bf16 parameters and bf16 gradients stay whole",
              "12 bytes per parameter", "16/N bytes per parameter"],
             1,
-            "Only the 12 bytes of optimizer state are divided by N; 2 + 2 bytes remain on every rank (plus activations).",
+            "Only the 12 bytes of optimizer state are divided by N; 2 + 2 bytes remain on every rank (the planner's "
+            "table: 31.3 GiB at N = 64 for Llama 3 8B, towards 4 bytes x 8.03 B parameters = 29.9 GiB). "
+            "Activations come on top of the model states, and ZeRO does not shard them.",
         ),
         QuizQuestion(
             "Why must the flat vector be padded before the reduce-scatter?",

@@ -556,8 +556,9 @@ parameters (weight row by row, then bias, zero-padded to a multiple of the world
   parameters, **reduce-scatter** them, average, and return `(grad_x, grad_shard)`.
 
 The check runs a 3-layer network of such layers on 2 real ranks (each on half of the batch) and compares
-outputs, the input's gradient and every shard's gradient with one process; it also counts your all-gathers
-and reduce-scatters.
+outputs, the input's gradient and every shard's gradient with one process; it also watches the collectives
+each rank calls: per layer one all-gather in forward, another in backward and one reduce-scatter of the
+padded gradient (an all-reduce in place of either moves twice the bytes, and is refused).
 ''',
             starter=EX1_STARTER,
             solution=EX1_SOLUTION,

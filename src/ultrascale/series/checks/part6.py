@@ -3,7 +3,12 @@
 exercise_1: the learner's ZeRO-1 functions (shard_parameters, zero1_step) run on 2 real gloo ranks, each
 on its half of the batch, and must end with the parameters one process gets with
 torch.optim.Adam on the whole batch; its master shard must be 1/world of the padded
-flat vector, and its gradient the average over the ranks.
+flat vector, and its gradient the average over the ranks. What each rank calls is watched: one
+reduce-scatter of the padded gradient before opt.step() (an all-reduce does too, at twice the bytes), one
+all-gather of the updated shards after it (or its equivalents: an all-reduce of a zero-filled vector, one
+broadcast per owner), and no optimizer over more than the rank's shard - every rank running Adam on the
+whole model, a leftover data-parallel all-reduce or one rank broadcasting everything give the right
+numbers without being ZeRO-1.
 
 exercise_2: the learner's bytes-per-rank formula against the engine's measured memory
 per owner (bf16 run of ZeRO-1 on 2 real ranks, fp32 gradients) and against the
@@ -11,6 +16,8 @@ planner's figures for Llama 3 8B over N = 1..64 (bf16 and fp32 gradients).
 """
 
 from __future__ import annotations
+
+import functools
 
 from ultrascale.series.checks import RankError, on_ranks, require_finite
 
@@ -60,9 +67,14 @@ def _single():
 
 
 def _zero1_on_rank(shard_parameters, zero1_step):
-    """On each rank: the learner's functions over this rank's half of the batch."""
+    """On each rank: the learner's functions over this rank's half of the batch, and what each step did:
+    the collectives before and after `opt.step()` (the gradients' and the parameters' communication)
+    and the elements any other optimizer stepped (a rank updating more than its shard)."""
     import torch
     import torch.distributed as dist
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from ultrascale.series import watch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
@@ -73,27 +85,238 @@ def _zero1_on_rank(shard_parameters, zero1_step):
         f"flat, padded parameters as an nn.Parameter")
     if not isinstance(master, torch.nn.Parameter):
         master = torch.nn.Parameter(master.detach())
-    master_numel = master.numel()
+    start = master.detach().clone()
     opt = torch.optim.Adam([master], lr=LR)
     x, y = _batch()
     xb, yb = x.chunk(world)[rank], y.chunk(world)[rank]
+    steps, seen = [], []  # seen: (the check's opt?, elements it updates, calls so far) at each optimizer step
+
+    def on_step(optimizer, args, kwargs):
+        numel = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+        seen.append((optimizer is opt, numel, len(watch.calls())))
+
     first_grad, local = None, None
-    for step in range(STEPS):
-        for p in params:
-            p.grad = None
-        master.grad = None
-        torch.nn.functional.mse_loss(model(xb), yb).backward()
-        if step == 0:
-            local = torch.cat([p.grad.reshape(-1) for p in params]).clone()
-        zero1_step(params, master, opt)
-        if step == 0:
-            first_grad = None if master.grad is None else master.grad.detach().clone()
-    return {"params": _flat(params), "master_numel": master_numel, "first_grad": first_grad, "local": local}
+    handle = register_optimizer_step_pre_hook(on_step)
+    try:
+        for step in range(STEPS):
+            for p in params:
+                p.grad = None
+            master.grad = None
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            if step == 0:
+                local = torch.cat([p.grad.reshape(-1) for p in params]).clone()
+            begin, before = len(watch.calls()), len(seen)
+            zero1_step(params, master, opt)
+            calls, mine = watch.calls()[begin:], seen[before:]
+            at = next((n - begin for own, _, n in mine if own), None)  # where opt.step() ran
+            steps.append({"stepped": at is not None,
+                          "before": calls if at is None else calls[:at], "after": [] if at is None else calls[at:],
+                          "others": max([numel for own, numel, _ in mine if not own], default=0)})
+            if step == 0:
+                first_grad = None if master.grad is None else master.grad.detach().clone()
+    finally:
+        handle.remove()
+    return {"params": _flat(params), "master_numel": master.numel(), "start": start, "first_grad": first_grad,
+            "local": local, "steps": steps}
+
+
+REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter")
+ALL_GATHERS = ("all_gather_single", "all_gather")
+
+
+def _said(calls) -> str:
+    from ultrascale.series.watch import kinds
+
+    return ", ".join(kinds(calls)) or "nothing"
+
+
+def _check_master(got, n, padded, size):
+    """shard_parameters: one slice of the padded flat parameters, this rank's."""
+    import torch
+
+    start, _ = _flat_padded(_model().parameters(), padded)
+    for rank, r in enumerate(got):
+        if r["master_numel"] >= n:
+            raise AssertionError(
+                f"rank {rank}'s master weights (what shard_parameters returned) hold {r['master_numel']} elements, "
+                f"the whole model ({n}): ZeRO-1 keeps only this rank's shard of the padded flat vector, {size} "
+                f"elements on {WORLD} ranks")
+        assert r["master_numel"] == size, (
+            f"rank {rank}'s master shard has {r['master_numel']} elements; with {n} parameters padded to {padded} "
+            f"on {WORLD} ranks each shard has {size}")
+        slices = [start[s * size:(s + 1) * size] for s in range(WORLD)]
+        if torch.allclose(r["start"], slices[rank]):
+            continue
+        for owner, piece in enumerate(slices):
+            if torch.allclose(r["start"], piece):
+                raise AssertionError(
+                    f"rank {rank}'s master weights hold rank {owner}'s slice of the flat parameters: rank r owns "
+                    f"elements [r*{size}, (r+1)*{size}) - slice with dist.get_rank()")
+        raise AssertionError(
+            f"rank {rank}'s master weights are not its slice of the flat parameters: flatten them in parameter "
+            f"order, pad with zeros at the end to {padded}, and return elements [{rank * size}, {(rank + 1) * size})")
+
+
+def _check_optimizers(got, n, size):
+    """Each rank runs Adam on its shard only: the check's `opt`, and no other optimizer."""
+    for rank, r in enumerate(got):
+        for s in r["steps"]:
+            if s["others"]:
+                whole = f"all {n} parameters of the model" if s["others"] >= n else f"{s['others']} elements"
+                raise AssertionError(
+                    f"rank {rank} ran an optimizer over {whole} besides opt: every rank updating everything is "
+                    f"plain data parallelism, with Adam's states for the whole model on every rank. ZeRO-1 steps only "
+                    f"opt, the Adam over this rank's {size}-element master shard, and all-gathers the others' shards")
+            if not s["stepped"]:
+                raise AssertionError(
+                    f"rank {rank}'s zero1_step never called opt.step(): set master.grad to the averaged shard of the "
+                    f"gradient, then step opt, the Adam over this rank's master shard")
+
+
+def _check_gradient_calls(rank, calls, n, padded):
+    """Before opt.step(): one reduce-scatter of the padded flat gradient (or, at twice the bytes, an all-reduce)."""
+    from ultrascale.series.watch import kinds
+
+    said = kinds(calls)
+    if not calls:
+        raise AssertionError(
+            f"rank {rank}'s zero1_step called no collective before opt.step(): its shard gradient is its own "
+            f"micro-batch's gradient only - reduce-scatter the flat gradients so each rank receives the sum of its "
+            f"slice over all ranks (then divide by the world size)")
+    if "all_reduce" in said and any(k in REDUCE_SCATTERS for k in said):
+        raise AssertionError(
+            f"rank {rank} called {_said(calls)} on the gradients before opt.step(): the all-reduce of plain data "
+            f"parallelism and a reduce-scatter. ZeRO-1's reduce-scatter replaces the all-reduce (each rank needs "
+            f"only its slice): drop the all-reduce")
+    other = [k for k in said if k not in REDUCE_SCATTERS + ("all_reduce",)]
+    if other:
+        raise AssertionError(
+            f"rank {rank} called {_said(calls)} on the gradients before opt.step(): ZeRO-1 reduce-scatters the "
+            f"padded flat gradient, so each rank receives the sum over the ranks of its own slice only, "
+            f"not {other[0]}")
+    moved = sum(c.bytes for c in calls)
+    if said[0] in REDUCE_SCATTERS and moved != 4 * padded:
+        raise AssertionError(
+            f"rank {rank} reduce-scattered {moved} B of gradients per step ({_said(calls)}); the padded flat "
+            f"gradient is {padded} fp32 elements, {4 * padded} B: reduce-scatter it whole, once per step")
+    if said[0] == "all_reduce" and not 4 * n <= moved <= 4 * padded:
+        raise AssertionError(
+            f"rank {rank} all-reduced {moved} B of gradients per step ({_said(calls)}); the gradient is {n} fp32 "
+            f"elements, {4 * n} B: one reduction of each element per step")
+
+
+def _check_parameter_calls(rank, calls, n, padded, size):
+    """After opt.step(): every rank's updated shard reaches every rank - an all-gather (or an equivalent:
+    an all-reduce of a zero-filled vector, one broadcast per owner)."""
+    from ultrascale.series.watch import kinds
+
+    said = kinds(calls)
+    if not calls:
+        raise AssertionError(
+            f"rank {rank} called no collective after opt.step(): the other ranks' updated shards never reached it - "
+            f"all-gather the updated master shards and copy the result (without the padding) into every parameter")
+    broadcasts = [c for c in calls if c.kind == "broadcast"]
+    if any(c.bytes > 4 * size for c in broadcasts):
+        whole = max(c.bytes for c in broadcasts) // 4
+        raise AssertionError(
+            f"rank {rank}'s parameters came from one rank's broadcast of all {whole} elements ({_said(calls)}): "
+            f"that rank had to hold (or collect) every shard. In ZeRO-1 no rank holds more than its own: "
+            f"all-gather the updated shards, one collective in which every rank sends its slice to all the others")
+    if said == ["all_reduce"] * len(said) and sum(c.bytes for c in calls) == 4 * padded:
+        return  # every rank fills its slice of a zero vector: an all-gather at twice the bytes
+    if said == ["broadcast"] * len(said) and len(said) == WORLD:
+        return  # each owner broadcasts its own shard
+    if set(said) <= set(ALL_GATHERS):
+        moved = sum(c.bytes for c in calls)
+        assert moved == 4 * size, (
+            f"rank {rank} all-gathered {moved} B per step ({_said(calls)}); its updated shard is {size} fp32 "
+            f"elements, {4 * size} B: all-gather it once, after opt.step()")
+        return
+    raise AssertionError(
+        f"rank {rank} called {_said(calls)} after opt.step(): ZeRO-1 all-gathers the updated master shards - "
+        f"one all_gather(full, master.detach()) that every rank joins - and copies the result into the parameters")
+
+
+def _check_calls(got, n, padded, size):
+    for rank, r in enumerate(got):
+        for s in r["steps"]:
+            for c in s["before"] + s["after"]:
+                assert c.group == tuple(range(WORLD)), (
+                    f"rank {rank}'s {c} ran over ranks {list(c.group)} only: ZeRO-1's reduce-scatter and all-gather "
+                    f"span all {WORLD} data-parallel ranks (the default group)")
+            _check_gradient_calls(rank, s["before"], n, padded)
+            _check_parameter_calls(rank, s["after"], n, padded, size)
+
+
+def _flat_padded(params, padded):
+    import torch
+
+    flat = _flat(params)
+    return torch.cat([flat, flat.new_zeros(padded - flat.numel())]), flat.numel()
+
+
+def _check_gradients(got, want_grad, padded, size):
+    """What opt.step() saw: this rank's slice of the gradient averaged over the ranks."""
+    import torch
+
+    want_padded, _ = _flat_padded([want_grad], padded)
+    for rank, r in enumerate(got):
+        lo = rank * size
+        g = r["first_grad"]
+        assert g is not None, (
+            f"after step 1 rank {rank}'s master shard has no .grad: set master.grad to this rank's slice "
+            f"of the reduce-scattered gradient before optimizer.step()")
+        require_finite(g, f"rank {rank}'s master shard .grad after step 1")
+        want = want_padded[lo:lo + size]
+        assert g.shape == want.shape, f"rank {rank}'s master .grad has shape {tuple(g.shape)}, expected ({size},)"
+        if torch.allclose(g, WORLD * want, rtol=1e-4, atol=1e-7) and not torch.allclose(g, want, atol=1e-7):
+            raise AssertionError(
+                f"rank {rank}'s shard gradient is {WORLD}.000x the single-process gradient: reduce-scatter sums "
+                f"over the ranks - divide by the world size to average")
+        local = _flat_padded([r["local"]], padded)[0][lo:lo + size]
+        if torch.allclose(g, local, atol=1e-7) and not torch.allclose(g, want, atol=1e-6):
+            raise AssertionError(
+                f"rank {rank}'s shard gradient is its own micro-batch's gradient only: reduce-scatter the flat "
+                f"gradients so each rank receives the sum of its slice over all ranks (then divide by the world "
+                f"size)")
+        if not torch.allclose(g, want, rtol=1e-4, atol=1e-6):
+            for owner in range(WORLD):
+                if owner != rank and torch.allclose(g, want_padded[owner * size:(owner + 1) * size], rtol=1e-4,
+                                                    atol=1e-6):
+                    raise AssertionError(
+                        f"rank {rank} received rank {owner}'s slice of the gradient: rank r owns elements "
+                        f"[r*{size}, (r+1)*{size}) of the padded flat vector")
+            raise AssertionError(
+                f"rank {rank}'s shard gradient differs from the single-process gradient's slice "
+                f"[{lo}, {lo + size}) by up to {(g - want).abs().max().item():.2e}: flatten the grads in "
+                f"parameter order, pad, reduce-scatter, divide by the world size")
+
+
+def _check_parameters(got, want_params, n, size):
+    """After the steps: every rank holds one process's Adam parameters, all of them."""
+    import torch
+
+    start = _flat(_model().parameters())
+    for rank, r in enumerate(got):
+        p = r["params"]
+        require_finite(p, f"rank {rank}'s parameters after {STEPS} steps")
+        diff = (p - want_params).abs()
+        if diff.max().item() <= 1e-5:
+            continue
+        mine = torch.zeros(n, dtype=torch.bool)
+        mine[rank * size:min((rank + 1) * size, n)] = True
+        if torch.equal(p[~mine], start[~mine]) and not torch.equal(p[mine], start[mine]):
+            raise AssertionError(
+                f"on rank {rank} only its own shard of the parameters was updated, the rest never changed: "
+                f"all-gather the updated master shards and copy the result (without the padding) into every "
+                f"parameter")
+        raise AssertionError(
+            f"after {STEPS} steps rank {rank}'s parameters differ from one process's Adam by up to "
+            f"{diff.max().item():.2e}: update the master shard with Adam, all-gather it, and copy it into "
+            f"the parameters in the same order you flattened them")
 
 
 def exercise_1(shard_parameters, zero1_step) -> None:
-    import torch
-
     want_params, want_grad = _single()
     n = want_params.numel()
     padded = -(-n // WORLD) * WORLD
@@ -109,61 +332,11 @@ def exercise_1(shard_parameters, zero1_step) -> None:
                 f"evenly - pad it with zeros to a multiple of the world size ({padded}), so each rank owns {size} "
                 f"elements") from None
         raise
-    for rank, r in enumerate(got):
-        if r["master_numel"] >= n:
-            raise AssertionError(
-                f"rank {rank}'s master weights (what shard_parameters returned) hold {r['master_numel']} elements, the whole model ({n}): ZeRO-1 keeps "
-                f"only this rank's shard of the padded flat vector, {size} elements on {WORLD} ranks")
-        assert r["master_numel"] == size, (
-            f"rank {rank}'s master shard has {r['master_numel']} elements; with {n} parameters padded to {padded} "
-            f"on {WORLD} ranks each shard has {size}")
-    lo = [rank * size for rank in range(WORLD)]
-    want_padded = torch.cat([want_grad, torch.zeros(padded - n)])
-    for rank, r in enumerate(got):
-        g = r["first_grad"]
-        assert g is not None, (
-            f"after step 1 rank {rank}'s master shard has no .grad: set master.grad to this rank's slice "
-            f"of the reduce-scattered gradient before optimizer.step()")
-        require_finite(g, f"rank {rank}'s master shard .grad after step 1")
-        want = want_padded[lo[rank]:lo[rank] + size]
-        assert g.shape == want.shape, f"rank {rank}'s master .grad has shape {tuple(g.shape)}, expected ({size},)"
-        if torch.allclose(g, WORLD * want, rtol=1e-4, atol=1e-7) and not torch.allclose(g, want, atol=1e-7):
-            raise AssertionError(
-                f"rank {rank}'s shard gradient is {WORLD}.000x the single-process gradient: reduce-scatter sums "
-                f"over the ranks - divide by the world size to average")
-        local = torch.cat([r["local"], torch.zeros(padded - n)])[lo[rank]:lo[rank] + size]
-        if torch.allclose(g, local, atol=1e-7) and not torch.allclose(g, want, atol=1e-6):
-            raise AssertionError(
-                f"rank {rank}'s shard gradient is its own micro-batch's gradient only: reduce-scatter the flat "
-                f"gradients so each rank receives the sum of its slice over all ranks (then divide by the world "
-                f"size)")
-        if not torch.allclose(g, want, rtol=1e-4, atol=1e-6):
-            other = want_padded[lo[1 - rank]:lo[1 - rank] + size] if WORLD == 2 else None
-            if other is not None and torch.allclose(g, other, rtol=1e-4, atol=1e-6):
-                raise AssertionError(
-                    f"rank {rank} received the other rank's slice of the gradient: rank r owns elements "
-                    f"[r*{size}, (r+1)*{size}) of the padded flat vector")
-            raise AssertionError(
-                f"rank {rank}'s shard gradient differs from the single-process gradient's slice "
-                f"[{lo[rank]}, {lo[rank] + size}) by up to {(g - want).abs().max().item():.2e}: flatten the grads in "
-                f"parameter order, pad, reduce-scatter, divide by the world size")
-    for rank, r in enumerate(got):
-        p = r["params"]
-        require_finite(p, f"rank {rank}'s parameters after {STEPS} steps")
-        diff = (p - want_params).abs()
-        if not diff.max().item() <= 1e-5:  # `not <=`: a NaN is off too
-            mine = torch.zeros(n, dtype=torch.bool)
-            mine[lo[rank]:min(lo[rank] + size, n)] = True
-            start = _flat(_model().parameters())
-            if torch.equal(p[~mine], start[~mine]) and not torch.equal(p[mine], start[mine]):
-                raise AssertionError(
-                    f"on rank {rank} only its own shard of the parameters was updated, the rest never changed: "
-                    f"all-gather the updated master shards and copy the result (without the padding) into every "
-                    f"parameter")
-            raise AssertionError(
-                f"after {STEPS} steps rank {rank}'s parameters differ from one process's Adam by up to "
-                f"{diff.max().item():.2e}: update the master shard with Adam, all-gather it, and copy it into "
-                f"the parameters in the same order you flattened them")
+    _check_master(got, n, padded, size)
+    _check_optimizers(got, n, size)
+    _check_calls(got, n, padded, size)
+    _check_gradients(got, want_grad, padded, size)
+    _check_parameters(got, want_params, n, size)
 
 
 # -- exercise 2 -----------------------------------------------------------------------------------
@@ -172,6 +345,15 @@ def _engine_memory(cfg):
     from ultrascale.train.trainer import run_training
 
     return run_training(cfg, worker_context(cfg.parallel)).metrics[-1]["memory"]
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(hidden: int, layers: int):
+    """psi and the engine's memory per owner on rank 0 of a ZeRO-1 run: the same on every call of the check."""
+    from ultrascale.model import count_params
+
+    cfg = engine_run_config(1, hidden, layers)
+    return count_params(cfg.model), on_ranks(WORLD, _engine_memory, cfg)[0]
 
 
 def engine_run_config(zero: int, hidden: int = 64, layers: int = 2, dp: int = WORLD):
@@ -186,6 +368,7 @@ def engine_run_config(zero: int, hidden: int = 64, layers: int = 2, dp: int = WO
     return validate(cfg, dp)
 
 
+@functools.lru_cache(maxsize=None)
 def _planner_states(psi_model: str, n: int, precision: str):
     from ultrascale.plan.calibration import get_framework
     from ultrascale.plan.layout import Layout
@@ -227,6 +410,18 @@ def _compare(fn, psi, n, grad_bytes, want, where):
             raise AssertionError(
                 f"{where}: your parameters are 1/{n} of the measured ones: ZeRO-1 keeps all bf16 parameters on "
                 f"every rank (sharding them is ZeRO-3)")
+        if r < 1e-6:
+            raise AssertionError(
+                f"{where}: your {owner} are {g:,.3g}, the measured {w:,.0f} bytes: answer in bytes, not GiB or GB")
+        if owner == "params" and abs(r - 3) < 0.01:
+            raise AssertionError(
+                f"{where}: your parameters are 3.000x the measured ones: 6 bytes per parameter counts the fp32 master "
+                f"weights with the bf16 parameters. The fp32 master weights are optimizer state, sharded by ZeRO-1 "
+                f"with the two moments: params 2 bytes, optim k = 12 over N")
+        if owner == "params" and abs(r - 2) < 0.01:
+            raise AssertionError(
+                f"{where}: your parameters are 2.000x the measured ones: the parameters are bf16: 2 bytes each (the "
+                f"fp32 copy is the master weights, counted in the optimizer states)")
         if owner == "grads" and grad_bytes != 2 and abs(r - 2 / grad_bytes) < 0.01:
             raise AssertionError(
                 f"{where}: your gradients are {r:.3f}x the measured ones: they are kept in {grad_bytes} bytes per "
@@ -235,8 +430,6 @@ def _compare(fn, psi, n, grad_bytes, want, where):
 
 
 def exercise_2(fn) -> None:
-    from ultrascale.model import count_params
-
     # The planner: Llama 3 8B, bf16 gradients (the playbook's recipe) and fp32 gradients, N = 1..64.
     for precision, grad_bytes in (("bf16", 2), ("bf16-fp32-grads", 4)):
         for n in (1, 2, 4, 8, 16, 32, 64):
@@ -245,8 +438,6 @@ def exercise_2(fn) -> None:
                      f"the planner's Llama 3 8B (psi={psi:,}, N={n}, {grad_bytes}-byte gradients)")
     # The engine: bf16 parameters, fp32 gradients (grad_bytes=4), mixed-precision AdamW, on 2 real ranks.
     for hidden, layers in ((64, 2), (32, 3)):
-        cfg = engine_run_config(1, hidden, layers)
-        psi = count_params(cfg.model)
-        measured = on_ranks(WORLD, _engine_memory, cfg)[0]
+        psi, measured = _measured(hidden, layers)
         _compare(fn, psi, WORLD, 4, measured,
                  f"the engine's ZeRO-1 run (psi={psi:,}, N={WORLD}, fp32 gradients)")
