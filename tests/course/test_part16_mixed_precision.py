@@ -40,8 +40,8 @@ WRONG = [  # (exercise, label, what the check must say, answer source)
      _scaler(check="not torch.isfinite(scaled_grads[-1]).all()")),
     (1, "count not reset", "the count of good steps must restart from 0", _scaler(backoff='state["scale"] /= 2')),
     (1, "count not restarted after growth", "restart it at 0 when the scale grows", _scaler(after_growth="pass")),
-    (1, "grows on an overflow", "you grew the scale on an overflow", _scaler(backoff='state["scale"] *= 2\n'
-                                                                                     '        state["good_steps"] = 0')),
+    (1, "grows on an overflow", "you grew the scale on an overflow",
+     _scaler(backoff='state["scale"] *= 2\n        state["good_steps"] = 0')),
     (1, "grows one step early", "it grows after window = 3", _scaler(grow='state["good_steps"] == window - 1')),
     (1, "PyTorch's growth interval, not the window", "the scale should double",
      _scaler(grow='state["good_steps"] == 2000')),

@@ -67,7 +67,8 @@ def _why_not_skipped(scaler_step, scaled, has_nan) -> str:
         return ("an inf or a NaN in one of the gradients went unnoticed: you test only some of them; one bad "
                 "gradient spoils the step, test all: all(torch.isfinite(g).all() for g in scaled_grads)")
     if has_nan and caught[(0, "inf")] and not caught[(0, "nan")]:
-        return "the gradients hold a NaN and you did not skip: torch.isinf misses NaN; test with torch.isfinite(g).all()"
+        return ("the gradients hold a NaN and you did not skip: torch.isinf misses NaN; test with "
+                "torch.isfinite(g).all()")
     kind = "a NaN" if has_nan else "an inf"
     return (f"the gradients hold {kind} and you returned them: skip the step (return None), or the optimizer writes "
             f"inf/NaN into the weights")
