@@ -299,8 +299,19 @@ part16.exercise_1(scaler_step)
 Write `quantize_e4m3(x)` returning `(q, scale)`: `q` the tensor in `torch.float8_e4m3fn` and `scale` a
 float32 scalar tensor, with per-tensor dynamic scaling: the element of largest magnitude maps to the
 format's largest value (`torch.finfo(torch.float8_e4m3fn).max`, 448). And `dequantize(q, scale)`
-returning the float32 tensor it stands for. The check measures the round-trip error against e4m3's
-resolution, on tensors whose values are far from 1 (activations of 1e3, gradients of 1e-6).
+returning the float32 tensor it stands for.
+
+The check measures what the scaling does, on tensors whose values are far from 1 (activations of 1e3,
+gradients of 1e-6, weights of 0.02) and on a tensor of zeros:
+- **one scale** for the whole tensor, finite and not 0 (a tensor of zeros has amax 0);
+- **the range is used**: the largest |x| lands at most at 448 (beyond, it saturates) and at least at 224
+  (within a factor 2 of 448, so that a power-of-two scale, exact to apply and undo, also passes);
+- **the round trip**: `dequantize(quantize_e4m3(x))` is `x` to within half a spacing of e4m3 (3 mantissa
+  bits: `torch.finfo(torch.float8_e4m3fn).eps / 2` relative).
+
+Either convention passes, as long as `dequantize` undoes what `quantize_e4m3` did with the same scale:
+multiply by `448 / amax` and divide it back, or divide by `amax / 448` (what one unit of `q` is worth)
+and multiply it back.
 ''',
             starter=r'''
 def quantize_e4m3(x):
@@ -332,7 +343,8 @@ from ultrascale.series.checks import part16
 part16.exercise_2(quantize_e4m3, dequantize)
 ''',
             hints=[
-                "The scale maps amax to 448: `scale = fp8_max / x.abs().max()`.",
+                "The scale maps amax to 448: `scale = fp8_max / x.abs().max()`, with amax clamped away from 0 "
+                "(`.clamp(min=1e-12)`).",
                 "Quantise `x * scale` (clamped to ±448 against rounding), cast with `.to(torch.float8_e4m3fn)`; "
                 "dequantise by dividing by the same scale.",
                 "Without a scale, 1e-6 is below e4m3's smallest subnormal (2^-9): every element becomes 0.",
