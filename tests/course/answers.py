@@ -4,8 +4,8 @@ The corpus of answers (tests/course/test_part*.py) holds, for each exercise, wro
 learner writes and unusual right ones, as source text. `grade(part, k, source)` builds the
 namespace a learner's cell runs in, from the part's own episode source (notebooks/src):
 
-1. the notebook's definitions: the imports, functions, classes and constants at the top of
-   the code cells before the exercises (not the cells' runs, which train models);
+1. the notebook's definitions: the imports, functions, classes, constants and aliases at the
+   top of its code cells (not the cells' runs, which train models);
 2. the exercise's reference solution (so helpers it defines, such as Part 10's `pass_along`,
    are there as in the notebook);
 3. the answer, which replaces what it redefines;
@@ -42,17 +42,23 @@ def episode(part: int):
     return module.EPISODE
 
 
-def _constant(node) -> bool:
+def _definition(node) -> bool:
+    """A value that only names things: a constant, or aliases such as
+    `reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor`
+    (no call but getattr: nothing that runs a model)."""
     try:
         ast.literal_eval(node)
         return True
     except ValueError:
-        return False
+        pass
+    naming = (ast.Name, ast.Attribute, ast.Constant, ast.BoolOp, ast.boolop, ast.expr_context, ast.keyword)
+    return all(isinstance(n, naming) or (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                                         and n.func.id == "getattr") for n in ast.walk(node))
 
 
 @functools.lru_cache(maxsize=None)
 def definitions(part: int) -> str:
-    """The notebook's top-level imports, defs, classes and constant assignments, in order."""
+    """The notebook's top-level imports, defs, classes and naming assignments, in order."""
     keep = []
     for section in episode(part).sections:
         for cell in section.cells:
@@ -62,7 +68,7 @@ def definitions(part: int) -> str:
                                for line in cell.source.splitlines())
             for node in ast.parse(source).body:
                 if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) or (
-                        isinstance(node, ast.Assign) and _constant(node.value)):
+                        isinstance(node, ast.Assign) and _definition(node.value)):
                     keep.append(ast.get_source_segment(source, node))
     return "\n\n".join(keep)
 

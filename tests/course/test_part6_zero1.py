@@ -3,21 +3,9 @@ gradients, update a shard, all-gather the parameters) and the bytes of model sta
 
 import pytest
 
-import answers
-from answers import PASSED
+from answers import PASSED, grade
 
 PART = 6
-
-# The setup cell's two collectives: computed, not constants, so not among the definitions answers.py keeps.
-SETUP = '''
-reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-'''
-
-
-def grade(part, k, source):
-    return answers.grade(part, k, SETUP + source)
-
 
 SHARD = '''
 def shard_parameters(params):
