@@ -218,8 +218,10 @@ def accumulate_gradients(model, loss_fn, x, y, num_micro_batches):
             p.grad = g if p.grad is None else p.grad + g
 '''),
 
-    (2, "batch_isend_irecv", ring("exchange(chunks[out], buf, right, left)", '''for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[out], right),
-                                                 dist.P2POp(dist.irecv, buf, left)]):
+    (2, "batch_isend_irecv", ring(
+        "exchange(chunks[out], buf, right, left)",
+        '''ops = [dist.P2POp(dist.isend, chunks[out], right), dist.P2POp(dist.irecv, buf, left)]
+        for request in dist.batch_isend_irecv(ops):
             request.wait()''')),
     (2, "blocking send and recv, even ranks first", ring("exchange(chunks[out], buf, right, left)", '''if rank % 2 == 0:
             dist.send(chunks[out], right)
