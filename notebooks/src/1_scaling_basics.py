@@ -368,8 +368,9 @@ ourselves: the fastest large matmul this core can do.
             THROUGHPUT,
             md(r'''
 A tiny model reaches only part of that peak: its matmuls are small, and norms, RoPE, softmax and the
-Python around every operation take time and do no model FLOPs. Exercise 2 computes the MFU of this run,
-and reproduces the MFU the playbook reports for its best 8B runs on H100s.
+Python around every operation take time and do no model FLOPs. Exercise 2 computes the MFU of such a
+run (its check trains this model again and prints the figure), and reproduces the MFU the playbook reports
+for its best 8B runs on H100s.
 
 On a GPU the trainer reports MFU itself (it knows the data-sheet peaks):
 '''),
@@ -451,10 +452,6 @@ def model_flops_and_mfu(cfg, seq_len, tokens_per_s, peak_flops):
     N = count_params(cfg)
     flops_per_token = 6 * N + 12 * cfg.layers * cfg.hidden * seq_len   # weights + attention, fwd + bwd
     return flops_per_token, tokens_per_s * flops_per_token / peak_flops
-
-
-fpt, mfu = model_flops_and_mfu(cfg, 64, tokens_per_s, cpu_peak)
-print(f"tiny model on this CPU: {fpt:,} FLOPs per token, MFU {mfu:.1%} of the matmul peak")
 ''',
             check=r'''
 from ultrascale.series.checks import part1

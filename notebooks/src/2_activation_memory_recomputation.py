@@ -336,8 +336,9 @@ Write `recompute_attention_core(model)`: selective recomputation on a model of t
 recomputed there. Its forward takes `(q, k, v)` and returns the attention output.
 
 The check runs the model with eager attention (where the core holds the $s \times s$ probabilities): the
-loss and every gradient must equal the model's without recomputation, and the saved memory, measured, must
-drop to what the engine's own `--recompute selective` keeps.
+loss and every gradient must equal the model's without recomputation, the saved memory, measured, must
+drop to what the engine's own `--recompute selective` keeps, and in backward the attention core, and only
+it, must run again.
 ''',
             starter=r'''
 from torch.utils.checkpoint import checkpoint

@@ -427,7 +427,8 @@ backward on each, and leave in every parameter's `.grad` **exactly the gradient 
 pass**. `loss_fn` returns the **mean** over a micro-batch's samples. Do not step an optimizer; the model's
 `.grad` starts empty.
 
-The check compares with one pass over the whole batch, for equal and unequal micro-batches.
+The check compares with one pass over the whole batch, for equal and unequal micro-batches, and watches
+the passes: each micro-batch's forward, then its backward, before the next.
 ''',
             starter=r'''
 def accumulate_gradients(model, loss_fn, x, y, num_micro_batches):
@@ -473,8 +474,9 @@ may differ in size when N does not divide `t`'s length.
 2. **All-gather**, N-1 steps: in step `s`, send chunk `(rank + 1 - s) % N` (after phase 1 you hold the full
    sum of chunk `(rank + 1) % N`), receive chunk `(rank - s) % N` and **copy** it into yours.
 
-The check runs your function on 4 real ranks, compares every rank's result with `dist.all_reduce`, and counts
-the bytes each rank sends: a ring sends $2(N-1)/N$ times the tensor.
+The check runs your function on 4 real ranks, compares every rank's result with `dist.all_reduce`, and reads
+the messages each rank sent: no collective, only to its neighbour, $2(N-1)$ chunks of $1/N$ of the tensor, so
+$2(N-1)/N$ times the tensor in all.
 ''',
             starter=r'''
 def ring_all_reduce(t):
