@@ -72,7 +72,8 @@ WRONG = [  # (exercise, label, what the check must say, answer source)
 '''),
     (1, "capacity without k", "capacity counts assignments",
      _route(_RENORMALISED, capacity="math.ceil(capacity_factor * tokens / experts)")),
-    (1, "capacity rounded down", "round up", _route(_RENORMALISED, capacity="int(capacity_factor * tokens * k / experts)")),
+    (1, "capacity rounded down", "round up",
+     _route(_RENORMALISED, capacity="int(capacity_factor * tokens * k / experts)")),
     (1, "capacity ignored", "over its capacity", _ROUTE_HEAD + '''
     weights = chosen / chosen.sum(dim=-1, keepdim=True)
     return expert_idx, weights, torch.ones_like(expert_idx, dtype=torch.bool)
@@ -160,7 +161,8 @@ def dispatch(tokens, expert_idx, n_experts, expert_forward):
     local = n_experts // world
     home = expert_idx % world                                  # expert e on rank e % world
     order = torch.argsort(home * n_experts + expert_idx, stable=True)
-    per_expert = torch.bincount(expert_idx, minlength=n_experts).view(local, world).T   # [rank, j]: expert rank + world*j
+    # [rank, j]: how many go to expert rank + world * j
+    per_expert = torch.bincount(expert_idx, minlength=n_experts).view(local, world).T
     received, from_rank = exchange(tokens[order], per_expert.sum(1).tolist())
     split, _ = exchange(per_expert.contiguous(), [1] * world)
     outputs = []

@@ -69,7 +69,8 @@ def _wrong_output(out, o1, l1, o2, l2, want_out):
         return ("you averaged the two outputs: each block's softmax was normalised over its own keys only; weight "
                 "out_i by exp(lse_i - lse), where lse = log(exp(lse1) + exp(lse2))")
     if torch.allclose(out.double(), o1.double() + o2.double(), atol=ATOL):
-        return "you added the two outputs: weight each by its share of the total, exp(lse_i - lse), so the weights sum to 1"
+        return ("you added the two outputs: weight each by its share of the total, exp(lse_i - lse), so the weights "
+                "sum to 1")
     err = (out.double() - want_out).abs().max().item()
     weights = _weights(out, o1, o2)
     if weights is not None:
@@ -168,8 +169,8 @@ def _check_ring_calls(calls, kv_bytes):
                 raise AssertionError(
                     f"rank {rank} called {kind} ({call}): ring attention moves K/V only point to point, one block "
                     f"to the next rank per step (pass_along). Collecting K and V with {kind} puts the whole sequence's "
-                    f"keys and values on every rank at once, the memory context parallelism is there to avoid: keep one "
-                    f"block in hand, attend, merge, pass it on")
+                    f"keys and values on every rank at once, the memory context parallelism is there to avoid: keep "
+                    f"one block in hand, attend, merge, pass it on")
         sends = [c for c in mine if c.kind in ("send", "isend")]
         if not sends:
             raise AssertionError(
