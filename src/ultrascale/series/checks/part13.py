@@ -2,6 +2,13 @@
 
 The expected values are written from the definitions here (loops over tokens and
 experts), not taken from the engine or the learner's code.
+
+exercise_2 checks the dispatch as well as the output: the expert_forward it hands the
+learner records, on each rank, which expert ran on which rows (a rank may run only the
+experts it owns, each on exactly the rows routed to it from all ranks), and the
+collectives each rank called must be all-to-alls: one of the rank's own tokens out, one of
+its experts' rows home. Every rank running every expert on its own tokens, or an
+all-gather of every token, gives the right values and is said by name.
 """
 
 from __future__ import annotations
