@@ -26,12 +26,26 @@ torch.set_num_threads(1)  # steadier timings on a shared CPU
 ''')
 
 SIZES = code(r'''
-# Total parameters against the ones a token's forward uses, for the engine's MoE presets.
-for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"):
+# Total parameters against the ones a token's forward uses, counted from each model's shape as trained
+# (the planner's: DeepSeek-V3's MLA attention and its 3 dense first blocks, Qwen3's 128-wide heads and
+# q/k norms), beside the figures their authors published.
+from ultrascale.plan.shape import get_shape
+
+PUBLISHED = {"mixtral-8x7b": (46.7, 12.9), "qwen3-30b-a3b": (30.5, 3.3), "deepseek-v3": (671, 37)}
+for name, (total_published, active_published) in PUBLISHED.items():
+    shape = get_shape(name)
+    total, active = shape.count(), shape.active_params()
+    print(f"{name:14s}: {shape.experts:3d} experts, top-{shape.top_k}: {total / 1e9:6.1f} B parameters, "
+          f"{active / 1e9:5.2f} B active per token ({active / total:5.1%}); published {total_published:g} B "
+          f"and {active_published:g} B")
+deepseek = get_shape("deepseek-v3")
+without_embedding = deepseek.active_params() - deepseek.vocab * deepseek.hidden
+print(f"deepseek-v3 active without the input embedding: {without_embedding / 1e9:.2f} B")
+# The engine's presets of the same names build an approximation of these shapes (see below).
+for name in ("qwen3-30b-a3b", "deepseek-v3"):
     cfg = get_preset(name)
-    total, active = count_params(cfg), count_active_params(cfg)
-    print(f"{name:14s}: {cfg.experts:3d} experts, top-{cfg.top_k}: {total / 1e9:6.1f} B parameters, "
-          f"{active / 1e9:5.1f} B active per token ({active / total:5.1%})")
+    print(f"the engine's {name} preset: {count_params(cfg) / 1e9:6.1f} B parameters, "
+          f"{count_active_params(cfg) / 1e9:5.2f} B active")
 ''')
 
 ROUTER = code(r'''
@@ -139,11 +153,20 @@ EPISODE = Episode(
             md(r'''
 A **Mixture of Experts (MoE)** block keeps attention as it is and replaces the MLP by $E$ expert MLPs;
 a small **router** sends every token to $k$ of them and sums their outputs, weighted. Parameters grow
-with $E$, the compute per token only with $k$: the model knows more for the same FLOPs. The engine's
-presets, counted from their shapes:
+with $E$, the compute per token only with $k$: the model knows more for the same FLOPs. Three MoE models,
+counted from their shapes as they were trained:
 '''),
             SETUP,
             SIZES,
+            md(r'''
+The counts match what was published, and where they seem not to, the published figure counts something
+else. DeepSeek-V3's 671 B leaves out its multi-token-prediction module (14 B more, used in training only),
+as this count does; its 37 B active is the count without the input embedding (of which a token reads one
+row and multiplies nothing), 36.6 B, rounded. Qwen3-30B-A3B's 3.3 B active is 3.35 B to one decimal,
+cut rather than rounded. The engine's presets of the same names are what the engine builds of them
+(grouped-query attention in place of DeepSeek's MLA, heads of hidden / heads wide, every block MoE):
+close in total, not equal, and this notebook trains only the small `tiny-moe`.
+'''),
         ]),
         Section("The router", [
             md(r'''
