@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch.distributed as dist
 
-from ultrascale.series.ranks import on_ranks
+from ultrascale.series.ranks import RankError, on_ranks
 from ultrascale.series.watch import Call, kinds, sent
 from ultrascale.testing.harness import run_distributed
 
@@ -76,3 +76,20 @@ def test_a_deadlock_names_the_rank_and_the_collective_it_waits_in_before_the_tim
                                              r"\[0, 1\], 12 B; rank 0 had returned\. Every rank must call"):
         on_ranks(2, CELL["stuck"], timeout=200)
     assert on_ranks(2, CELL["talk"]) == [4.0, 4.0]  # the pool is started again for the next call
+
+
+RAISES = notebook('''
+import torch
+import torch.distributed as dist
+
+def one_rank_raises():
+    if dist.get_rank() == 0:
+        raise KeyError("no such expert")
+    dist.all_reduce(torch.ones(3))  # waits for rank 0, which is gone
+    return 0
+''')
+
+
+def test_a_rank_that_raised_is_reported_not_the_wait_it_caused_on_the_others():
+    with pytest.raises(RankError, match=r"^KeyError: 'no such expert' \(rank 0 of 2\)"):
+        on_ranks(2, RAISES["one_rank_raises"], timeout=200)

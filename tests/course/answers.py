@@ -6,8 +6,8 @@ namespace a learner's cell runs in, from the part's own episode source (notebook
 
 1. the notebook's definitions: the imports, functions, classes, constants and aliases at the
    top of its code cells (not the cells' runs, which train models);
-2. the exercise's reference solution (so helpers it defines, such as Part 10's `pass_along`,
-   are there as in the notebook);
+2. the reference solutions of this exercise and the ones before it (helpers they define, such
+   as Part 10's `pass_along`, and an earlier exercise's answer, are there as in the notebook);
 3. the answer, which replaces what it redefines;
 
 then runs the exercise's check cell there. Functions are defined in a `__main__` namespace with
@@ -57,8 +57,9 @@ def _definition(node) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def definitions(part: int) -> str:
-    """The notebook's top-level imports, defs, classes and naming assignments, in order."""
+def definitions(part: int) -> tuple:
+    """The notebook's top-level imports, defs, classes and naming assignments, in order:
+    (source, is_assignment) each."""
     keep = []
     for section in episode(part).sections:
         for cell in section.cells:
@@ -67,10 +68,11 @@ def definitions(part: int) -> str:
             source = "\n".join("pass  # " + line if line.lstrip().startswith(("%", "!")) else line
                                for line in cell.source.splitlines())
             for node in ast.parse(source).body:
-                if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) or (
-                        isinstance(node, ast.Assign) and _definition(node.value)):
-                    keep.append(ast.get_source_segment(source, node))
-    return "\n\n".join(keep)
+                if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)):
+                    keep.append((ast.get_source_segment(source, node), False))
+                elif isinstance(node, ast.Assign) and _definition(node.value):
+                    keep.append((ast.get_source_segment(source, node), True))
+    return tuple(keep)
 
 
 def _exec(source: str, what: str, namespace: dict) -> None:
@@ -83,9 +85,16 @@ def _exec(source: str, what: str, namespace: dict) -> None:
 def namespace(part: int, k: int, source: str) -> dict:
     """The namespace of the notebook's exercise `k` with `source` run in it."""
     ns = {"__name__": "__main__"}
-    _exec(definitions(part), f"part {part} definitions", ns)
-    exercise = episode(part).exercises[k - 1]
-    _exec(exercise.solution, f"part {part} exercise {k} solution", ns)
+    for source_, assignment in definitions(part):
+        try:
+            _exec(source_, f"part {part} definitions", ns)
+        except (NameError, AttributeError):
+            if not assignment:
+                raise
+            # `smallest = plain.smallest`: a name only the cell's run binds; the answers do without.
+    # The notebook runs its exercises in order: exercise 2's cell finds exercise 1's answer defined.
+    for i, exercise in enumerate(episode(part).exercises[:k], 1):
+        _exec(exercise.solution, f"part {part} exercise {i} solution", ns)
     _exec(source, f"part {part} exercise {k} answer", ns)
     return ns
 

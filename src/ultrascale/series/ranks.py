@@ -64,25 +64,35 @@ def on_ranks(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, calls: lis
                                       stalled=lambda pending: stalled(status, pending, world))
         except DistributedError as e:
             first = str(e).splitlines()[0]
+            raised = sorted((r, res) for r, res in e.finished.items() if res[0] != "ok")
+            if raised:
+                # A rank that raised left the others waiting for it: its error is the learner's to see.
+                _raise(*raised[0], world)
             if "cannot finish: " in first:
                 waits = first.split("cannot finish: ", 1)[1]
                 # A learner's mistake, not a crash: the check fails with where each rank stopped.
                 raise AssertionError(f"deadlock on {world} ranks: {waits}. Every rank must call the same "
                                      f"collectives in the same order, and every send needs its recv") from None
-            raise RankError(f"{_name(fn)} did not finish on {world} ranks within {timeout:.0f} s: is there a "
-                            f"collective that not every rank calls, or a send without its recv?\n{e}") from None
+            else:
+                raise RankError(f"{_name(fn)} did not finish on {world} ranks within {timeout:.0f} s: is there a "
+                                f"collective that not every rank calls, or a send without its recv?\n{e}") from None
     if calls is not None:
         calls[:] = [res[-1] for res in results]
     failures = [(r, res) for r, res in enumerate(results) if res[0] != "ok"]
     if failures:
-        rank, (_, kind, message, tb, _) = failures[0]
-        where = f" (rank {rank} of {world})"
-        if kind == "NotImplementedError":
-            raise NotImplementedError(message or "not done yet")
-        if kind == "AssertionError":
-            raise AssertionError(f"{message}{where}")
-        raise RankError(f"{kind}: {message}{where}\n{tb}")
+        _raise(*failures[0], world)
     return [res[1] for res in results]
+
+
+def _raise(rank: int, result: tuple, world: int):
+    """A rank's exception, raised here as its kind: "not done yet", a wrong answer, or a crash."""
+    _, kind, message, tb, _ = result
+    where = f" (rank {rank} of {world})"
+    if kind == "NotImplementedError":
+        raise NotImplementedError(message or "not done yet")
+    if kind == "AssertionError":
+        raise AssertionError(f"{message}{where}")
+    raise RankError(f"{kind}: {message}{where}\n{tb}")
 
 
 # ---- what travels -------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ from ultrascale.distributed.launch import free_port
 class DistributedError(RuntimeError):
     """A function failed (or hung) on at least one rank."""
 
+    finished: dict = {}  # rank -> return value, of the ranks that returned before the others hung
+
 
 def _worker(rank: int, world: int, port: int, tasks, results, owner: int):
     from ultrascale.distributed.failures import die_with, die_with_parent
@@ -113,7 +115,9 @@ class WorkerPool:
             stuck = stalled(pending) if stalled is not None and not errors else None
             if stuck:
                 self.close(kill=True)
-                raise DistributedError(f"{fn.__name__} on {self.world_size} ranks cannot finish: {stuck}")
+                error = DistributedError(f"{fn.__name__} on {self.world_size} ranks cannot finish: {stuck}")
+                error.finished = out  # what the ranks that returned gave: often the cause of the others' wait
+                raise error
             try:
                 rank, ok, value = self.results.get(timeout=max(0.01, min(remaining, 1.0)))
             except queue.Empty:
