@@ -1,6 +1,20 @@
 """Cases for Part 12: lines the notebook must print from its own runs (the wrong answers to its
 exercises are in tests/course/test_part12_interleaved_and_zero_bubble.py)."""
 
+from printed import Close
+
+# The bubble measured on the engine's paced step 2 must agree with the simulator's at the paced costs
+# within this much (an absolute difference of bubble ratios): each message and each wake of a waiting
+# process adds a few milliseconds per hop against actions of 250 ms (measured on 2 shared cores under a
+# load of 6: 0.011 to 0.021 above the simulator).
+WITHIN = 0.04
+
+
+def agrees(name: str, simulated: float) -> Close:
+    """The line of `name`'s bubble, measured within WITHIN of the simulated one (which must print exactly)."""
+    return Close(f"{name:11s}: bubble simulated {simulated:.3f}, measured {simulated:.3f}", rel=WITHIN / simulated)
+
+
 PRINTED = [
     "v = 1: rank 0 holds [[0, 1]]; rank 1 holds [[2, 3]]; rank 2 holds [[4, 5]]; rank 3 holds [[6, 7]]",
     "v = 2: rank 0 holds [[0], [4]]; rank 1 holds [[1], [5]]; rank 2 holds [[2], [6]]; rank 3 holds [[3], [7]]",
@@ -11,4 +25,14 @@ PRINTED = [
     "(worst relative difference",
     "dualpipev  : idle time per rank 1.5, bubble ratio 0.0625, stages' activations in flight [4.5, 4.5, 4.5, 4.5]",
     "pp = 4 dualpipev",
+    # DeepSeek's formulas at the simulator's costs, and the simulator's two counts of DualPipeV.
+    "1F1B      (PP - 1)(F + B)          = 9   (PP = 4 stages)",
+    "ZB1P      (PP - 1)(F + B - 2W)     = 3   (PP = 4 stages)",
+    "DualPipeV (PP/2 - 1)(F&B + B - 3W) = 3   (PP = 8 stages, F&B = F + B = 1.5)",
+    "simulator, DualPipeV, the engine's order (a forward goes when its input is in): idle time per rank 1.5",
+    "simulator, DualPipeV, each pair one slot, waiting for both inputs: idle time per rank 3",
+    agrees("1f1b", 0.375),
+    agrees("interleaved", 0.1875),
+    agrees("zero-bubble", 0.125),
+    agrees("dualpipev", 0.0625),
 ]
