@@ -260,7 +260,7 @@ Write `step_time(stages, t_f, t_b)`: `stages[s]` is stage $s$'s ordered list of 
 `t_f[s]` and `t_b[s]` its forward and backward time per micro-batch. Each action starts when its stage is
 free **and** its input is there: `('F', k)` on stage $s > 0$ after `('F', k)` on stage $s - 1$;
 `('B', k)` on stage $s < p - 1$ after `('B', k)` on stage $s + 1$ (communication free). Return
-`(T, bubble)`: $T$ the time the last stage finishes (all start at 0), and
+`(T, bubble)`: $T$ the time the step ends, when the stage that finishes last is done (all start at 0), and
 $\text{bubble} = (T - \text{busy}) / \text{busy}$ with busy the compute time of the busiest stage. The
 check compares with the engine's simulator for AFAB and 1F1B at several $(p, m)$, and with unequal stages.
 ''',

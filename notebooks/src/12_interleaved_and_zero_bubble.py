@@ -4,7 +4,8 @@ The source of notebooks/12_interleaved_and_zero_bubble.ipynb (build it with
 `python notebooks/src/build.py 12`). The engine trains on 4 real gloo processes
 with 1F1B, interleaved 1F1B, ZB-H1 and DualPipeV; every figure is measured in the notebook:
 the losses against one process, the recorded timelines drawn as Gantt charts, the
-bubble measured and simulated.
+bubble measured (on stages paced to fixed durations) and simulated, and DeepSeek's
+published DualPipe formula against the simulator's count.
 """
 
 from ultrascale.series.episode import Episode, Exercise, QuizQuestion, Reference, Section, code, md
@@ -21,9 +22,11 @@ from ultrascale.config import ParallelConfig, RunConfig, TrainConfig
 from ultrascale.model import get_preset
 from ultrascale.parallel.pipeline import draw
 from ultrascale.parallel.pipeline.partition import rank_chunks, split
-from ultrascale.parallel.pipeline.schedules import build, schedule
+from ultrascale.parallel.pipeline.schedules import Action, build, schedule
 from ultrascale.parallel.pipeline.simulate import simulate
-from ultrascale.testing.compare import train_on, train_parallel
+from ultrascale.series.ranks import on_ranks
+from ultrascale.testing.compare import train_on
+from ultrascale.train.startup import check_run
 
 torch.set_num_threads(1)
 WORLD = 4                                   # 4 real processes (gloo, this CPU), one pipeline rank each
@@ -78,20 +81,101 @@ for name, v, cost in (("1f1b", 1, 1.0), ("zero-bubble", 1, 1.0), ("dualpipev", 2
 display(*(Image(filename=c) for c in charts))
 ''')
 
+DUALPIPE_FORMULA = code(r'''
+# DeepSeek's formulas at the same costs: a 1F1B stage F = 1, W = 1, B = I + W = 2; PP counts stages.
+F, B, W = 1.0, 2.0, 1.0
+print(f"1F1B      (PP - 1)(F + B)          = {(WORLD - 1) * (F + B):g}   (PP = {WORLD} stages)")
+print(f"ZB1P      (PP - 1)(F + B - 2W)     = {(WORLD - 1) * (F + B - 2 * W):g}   (PP = {WORLD} stages)")
+f, b, w = F / 2, B / 2, W / 2        # DualPipeV: 2p = 8 stages, each chunk half a 1F1B stage
+pair = f + b                         # F&B here: a forward and a backward, one after the other (no overlap)
+pp = 2 * WORLD
+print(f"DualPipeV (PP/2 - 1)(F&B + B - 3W) = {(pp // 2 - 1) * (pair + b - 3 * w):g}   "
+      f"(PP = {pp} stages, F&B = F + B = {pair:g})")
+
+
+def as_one_slot(actions):
+    """Each overlapped pair as one slot that starts once both its inputs are in: the backward's gradient
+    is received before the forward runs (DeepSeek's runtime receives both, then computes both), where
+    the engine only posts that receive and runs the forward as soon as its own input is there."""
+    out = []
+    for rank in actions:
+        posted, seq = set(), []
+        for a in rank:
+            if a.kind == "POST_B":
+                posted.add((a.micro, a.chunk))
+                seq.append(Action("RECV_B", a.micro, a.chunk))
+            elif a.kind == "RECV_B" and (a.micro, a.chunk) in posted:
+                posted.discard((a.micro, a.chunk))
+            else:
+                seq.append(a)
+        out.append(seq)
+    return out
+
+
+acts = schedule("dualpipev", WORLD, 8)
+for label, lists in (("the engine's order (a forward goes when its input is in)", acts),
+                     ("each pair one slot, waiting for both inputs", as_one_slot(acts))):
+    tl = simulate(lists, WORLD, 2, t_f=f, t_b=b - w, t_w=w, vshape=True)
+    print(f"simulator, DualPipeV, {label}: idle time per rank {tl.bubble_time:g}")
+''')
+
 ENGINE = code(r'''
 RUNS = {"1f1b": 1, "interleaved": 2, "zero-bubble": 1, "dualpipev": 2}   # schedule -> chunks per rank
 M = 8
 
 
+UNIT = 0.25   # seconds: what a 1F1B stage's forward, input gradient and weight gradient each last in step 2
+
+
+def paced_training(cfg, unit):
+    """On each rank: train `cfg` with the engine, its last step paced. Each compute action of that step
+    (F, B, I, W) runs the real layers, then waits until it has lasted its planned time: `unit` for a
+    stage's F, I or W, 2 units for a full B, a v-th of that for a chunk. The data and the real messages
+    flow through the engine's pipeline runtime as ever; only the durations are fixed, so the 4
+    processes sharing this CPU's cores do not stretch each other's compute."""
+    import contextlib
+    import re
+    import time
+
+    from ultrascale.parallel.pipeline import runtime
+    from ultrascale.testing.compare import RunRecord
+    from ultrascale.testing.harness import worker_context
+    from ultrascale.train.trainer import run_training
+
+    v = 2 if cfg.parallel.pp_schedule == "dualpipev" else cfg.parallel.pp_chunks
+    cost = {"F": unit / v, "I": unit / v, "W": unit / v, "B": 2 * unit / v}
+    span, run_step, steps = runtime.span, runtime.PipelineRuntime.run, [0]
+
+    @contextlib.contextmanager
+    def paced(name):          # the runtime runs every action inside span("pp:<action>")
+        kind = re.match(r"pp:([A-Z_]+)\d", name)
+        start = time.perf_counter()
+        with span(name):
+            yield
+        if kind and kind.group(1) in cost:
+            time.sleep(max(0.0, start + cost[kind.group(1)] - time.perf_counter()))
+
+    def step(self, micro_batches):
+        steps[0] += 1
+        runtime.span = paced if steps[0] == cfg.train.steps else span
+        return run_step(self, micro_batches)
+
+    runtime.PipelineRuntime.run = step
+    try:
+        return RunRecord.of(run_training(cfg, worker_context(cfg.parallel)))
+    finally:               # the processes are reused: leave the engine as it was
+        runtime.span, runtime.PipelineRuntime.run = span, run_step
+
+
 def run(name, v, world=WORLD):
-    """Train 2 steps on `world` ranks (one process when world is 1); every rank's record and the
-    recorded timeline of step 2."""
+    """Train 2 steps on `world` ranks, step 2 paced (one process when world is 1, not paced); every
+    rank's record and the recorded timeline of step 2."""
     trace = os.path.join(OUT, f"{name}.json") if world > 1 else ""
     parallel = ParallelConfig(pp=world, pp_schedule=name, pp_chunks=v) if world > 1 else ParallelConfig()
     train = TrainConfig(steps=2, seq_len=128, micro_batch=2 if world > 1 else 2 * M,
                         grad_accum=M if world > 1 else 1, seed=3, progress=False, pp_trace=trace)
-    cfg = RunConfig(model=MODEL, parallel=parallel, train=train)
-    records = train_parallel(cfg, world) if world > 1 else [train_on(cfg, 1)]
+    cfg = check_run(RunConfig(model=MODEL, parallel=parallel, train=train), world)
+    records = on_ranks(world, paced_training, cfg, UNIT) if world > 1 else [train_on(cfg, 1)]
     spans = None
     if trace:
         ranks = draw.read_trace(trace)["ranks"]
@@ -132,15 +216,15 @@ def mean(spans, kind):
 
 for name, v in RUNS.items():
     records, spans = results[name]
-    t_f = mean(spans, "F")
-    t_b = mean(spans, "B") or mean(spans, "I")       # a whole backward, or its input half (zero bubble)
-    t_w = mean(spans, "W")
-    sim = simulate(schedule(name, WORLD, M, v), WORLD, v, t_f=t_f, t_b=t_b, t_w=t_w, vshape=name == "dualpipev")
-    acts = [f"{r.memory[-1]['activations'] / 2**20:.1f}" for r in records]
-    print(f"{name:11s}: F {1e3 * t_f:.1f} ms, {'I' if t_w else 'B'} {1e3 * t_b:.1f} ms"
-          + (f", W {1e3 * t_w:.1f} ms" if t_w else "")
-          + f"; bubble measured {draw.measured_bubble_ratio(spans):.3f}, simulated with these costs "
-            f"{sim.bubble_ratio:.3f}; peak activations per rank {acts} MiB")
+    # The simulator at the paced costs: F = I = W = UNIT per stage, a chunk a v-th of it.
+    sim = simulate(schedule(name, WORLD, M, v), WORLD, v, t_f=UNIT / v, t_b=UNIT / v, t_w=UNIT / v,
+                   vshape=name == "dualpipev")
+    took = ", ".join(f"{kind} {1e3 * mean(spans, kind):.0f} ms" for kind in "FBIW" if mean(spans, kind))
+    print(f"{name:11s}: bubble simulated {sim.bubble_ratio:.3f}, measured {draw.measured_bubble_ratio(spans):.3f}"
+          f"   (mean {took})")
+for name, v in RUNS.items():
+    acts = [f"{r.memory[-1]['activations'] / 2**20:.1f}" for r in results[name][0]]
+    print(f"{name:11s}: peak activations per rank {acts} MiB")
 ''')
 
 
@@ -155,9 +239,9 @@ EPISODE = Episode(
         "Zero bubble (ZB-H1): the backward split into the input gradient (I), which the previous stage waits "
         "for, and the weight gradient (W), which nobody waits for and which fills the bubble",
         "DualPipe (DeepSeek-V3) in its cut-in-half V form: two chunks per rank, down the ranks and back up, "
-        "forwards paired with backwards; half ZB-H1's bubble for a little more memory",
+        "forwards paired with backwards; DeepSeek's bubble formula against the simulator, and what each counts",
         "The engine trains with each schedule on 4 real ranks: same losses as one process, its recorded "
-        "timelines drawn as Gantt charts, the bubble measured against the simulator",
+        "timelines drawn as Gantt charts, the bubble measured on paced stages against the simulator",
     ],
     references=[
         Reference(11, "pipeline stages, AFAB, 1F1B and the bubble (p - 1)/m"),
@@ -220,11 +304,41 @@ $p - 1$ and comes back up to rank 0, which holds the embedding and the loss. One
 same chunked runtime as interleaving, and the same idea: while rank 0 waits for micro-batch $k$ to come
 back, it pushes others down. It needs $m \ge 2p$ micro-batches to fill the V.
 
-With $t_F = t_I = t_W$ per chunk the idle time is $p - 1$ chunk slots: $(p-1)(t_F + t_I - t_W)$ in a
-chunk's costs, half of ZB-H1's on the same ranks and a sixth of 1F1B's. The price is memory: every rank
-holds $2p + 1$ chunks' activations at its peak ($p + 1/2$ stages' worth), where 1F1B's rank $r$ holds $p - r$.
+The price is memory: every rank holds $2p + 1$ chunks' activations at its peak ($p + 1/2$ stages' worth),
+where 1F1B's rank $r$ holds $p - r$. The simulator plays the three schedules on the same 4 ranks at the
+same costs, a 1F1B stage's F, I and W each 1 (a DualPipeV chunk half of that):
 '''),
             DUALPIPE_SIM,
+            md(r'''
+DeepSeek's DualPipe repository gives the bubble of each schedule per device, counted on the same number
+of stages $PP$, where $F$ is a chunk's forward, $B$ its full backward, $W$ its weight-gradient half, and
+$F\&B$ the time of one overlapped pair, a forward and a backward of two micro-batches:
+
+| schedule | bubble per device | devices |
+|---|---|---|
+| 1F1B | $(PP-1)(F+B)$ | $PP$ |
+| ZB1P (ZB-H1) | $(PP-1)(F+B-2W)$ | $PP$ |
+| DualPipeV | $(PP/2-1)(F\&B+B-3W)$ | $PP/2$ |
+
+On our 4 ranks 1F1B and ZB-H1 run $PP = 4$ stages, DualPipeV $PP = 8$ stages of half the layers. Below, the
+formulas at the costs above ($F\&B = F + B$: on this CPU, as in the simulator, nothing overlaps), and the
+simulator playing DualPipeV twice: in the engine's order, and with each pair made one slot that starts
+only when both its inputs are in.
+'''),
+            DUALPIPE_FORMULA,
+            md(r'''
+For 1F1B and ZB-H1 formula and simulator agree (9 and 3). For DualPipeV the formula gives 3, the same as
+ZB-H1 on these ranks, and the simulator of the engine's order 1.5, half of it. They count two different
+executions of the same order of actions. In DeepSeek's runtime an overlapped pair is one step: it receives
+the forward's activation and the backward's gradient, waits for both, then computes both (on a GPU, that is
+what lets each hide the other's communication). The engine posts the gradient's receive, runs the forward
+as soon as its own input is there, and waits for the gradient only before the backward, so a forward fills
+time the pair would spend waiting. Played as one slot that waits for both inputs, the simulator gives
+the formula's 3 exactly. Neither count has overlap: on a GPU $F\&B$ is shorter than $F + B$, each one's
+messages hidden behind the other's compute, and the formula's figure falls with it. Either way DualPipeV
+idles a third of 1F1B's time or less, for more memory: every rank holds what 1F1B's rank 0 holds, and
+half a stage's activations more.
+'''),
         ]),
         Section("On real ranks, drawn", [
             md(r'''
@@ -234,21 +348,28 @@ one whose backward can leave the weight gradient for later. Each gives the losse
 '''),
             ENGINE,
             md(r'''
-For each schedule, two Gantt charts: the action lists played by the simulator at equal costs (what the
+Four processes on this CPU's few cores, shared with whatever else runs, stretch each other's compute: a
+recorded timeline would then show the contention, not the schedule. So step 2 is **paced**: every F, I
+and W runs its real layers and then waits until it has lasted `UNIT` seconds (a full B twice that, a
+chunk a $v$-th), while the activations and gradients travel through the engine's runtime in its real
+messages. Waiting costs no CPU, so the ranks no longer compete, and the durations are the ones the
+simulator is given, as on a GPU per stage where each stage's compute takes its own fixed time.
+
+For each schedule, two Gantt charts: the action lists played by the simulator at those costs (what the
 schedule intends), then step 2 as the engine recorded it on the 4 processes, in seconds (`ultrascale
 pp-schedule --trace FILE --out chart.png` draws the same). Forwards blue, backwards green (for zero bubble:
-input gradients green, weight gradients red), idle time blank. In the recorded charts the same action takes
-different times on different ranks and steps: the ranks share this CPU's cores.
+input gradients green, weight gradients red), idle time blank.
 '''),
             GANTT,
             md(r'''
-The bubble of each recorded step, against the simulator played with the mean durations measured in that
-step (per chunk for interleaving), and the activations each rank held at its peak (the engine's meter,
-from F to B or I). The simulated bubbles follow the formulas. The measured ones add what the simulator
-leaves out: as in Part 11, four processes share this CPU, and every message costs real time. Interleaving
-multiplies the messages by $v$ while its chunks here are one block of a few milliseconds, so on this CPU it
-can measure no better than 1F1B, or worse: interleave only where a chunk's compute is large against a
-message. Its memory price shows on every rank: more activations held than under 1F1B.
+The bubble of each recorded step beside the simulator's at the paced costs (the mean duration of each
+kind of action shows the pacing held), then the activations each rank held at its peak (the engine's
+meter, from F to B or I). Measured and simulated agree within a few hundredths: what the measurement adds
+is the time of the messages and of waking a waiting process, a few milliseconds per hop against
+`UNIT` = 250 ms. That is also the price interleaving pays $v$ times over: with real chunks of a few
+milliseconds, as this tiny model's unpaced, the messages would weigh as much as the compute, so interleave
+only where a chunk's compute is large against a message. Its memory price shows on every rank: more
+activations held than under 1F1B.
 '''),
             BUBBLE,
         ]),

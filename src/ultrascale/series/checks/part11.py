@@ -4,14 +4,38 @@ Exercise 1 is checked by playing every stage's list together in the engine's pip
 simulator (ultrascale.parallel.pipeline.simulate), which raises if the stages would wait
 on each other forever, and against the definition of 1F1B (warm-up, steady state,
 cool-down). Exercise 2 is checked against the same simulator where every stage costs the
-same, and against a longest-path computation of the check's own where stages differ.
+same, and against a longest-path computation of the check's own where stages differ; a
+wrong answer is recognised by the one rule it breaks, replayed by that computation.
+Both exercises ask for what the engine already has: an answer that calls the engine's
+schedule or simulator is told to write it.
 """
 
 from __future__ import annotations
 
+import sys
+
 from ultrascale.series.checks import require_finite
 
 CASES_1 = [(4, 8), (4, 4), (4, 3), (2, 5), (3, 1), (1, 3)]
+
+
+def engine_calls(module: str, fn, *args):
+    """fn(*args), and the names of the public functions of `module` it called (directly or not):
+    an answer that hands the exercise to the engine shows here, under any name it imported it by."""
+    called = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_globals.get("__name__") == module \
+                and not frame.f_code.co_name.startswith(("_", "<")):
+            called.add(frame.f_code.co_name)
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        result = fn(*args)
+    finally:
+        sys.setprofile(previous)
+    return result, called
 
 
 def _as_actions(p, stage, m, got):
@@ -30,26 +54,67 @@ def _as_actions(p, stage, m, got):
 
 
 def _valid_order(p, stage, m, acts):
+    where = f"p = {p}, m = {m}, stage {stage}"
+    warmup = min(p - stage - 1, m)
     for kind in ("F", "B"):
         ks = [a.micro for a in acts if a.kind == kind]
+        if sorted(ks) == list(range(1, m + 1)):
+            raise AssertionError(f"{where}: the {kind} passes run micro-batches 1..{m}; the micro-batches are "
+                                 f"numbered from 0, as Python counts: 0..{m - 1}")
         extra = sorted(k for k in ks if not 0 <= k < m)
         if extra:
-            raise AssertionError(f"p = {p}, m = {m}, stage {stage}: a {kind} of micro-batch {extra[0]}, but there "
-                                 f"are only m = {m} (0..{m - 1}): cap the warm-up at m, min(p - stage - 1, m)")
+            raise AssertionError(f"{where}: a {kind} of micro-batch {extra[0]}, but there are only m = {m} "
+                                 f"(0..{m - 1}): cap the warm-up at m, min(p - stage - 1, m)")
         if sorted(ks) != list(range(m)):
             missing = sorted(set(range(m)) - set(ks))
+            if kind == "B" and missing == list(range(m - warmup, m)) and len(ks) == len(set(ks)):
+                raise AssertionError(f"{where}: the backwards of micro-batches {missing} never run: after the "
+                                     f"steady state comes the cool-down, the backwards of the {warmup} "
+                                     f"micro-batches still in flight, range(m - warm-up, m)")
             twice = sorted({k for k in ks if ks.count(k) > 1})
             what = f"misses micro-batches {missing}" if missing else f"repeats micro-batches {twice}"
-            raise AssertionError(f"p = {p}, m = {m}, stage {stage}: the {kind} passes {what}; every micro-batch "
-                                 f"has exactly one forward and one backward on every stage")
+            raise AssertionError(f"{where}: the {kind} passes {what}; every micro-batch has exactly one "
+                                 f"forward and one backward on every stage")
     seen = set()
     for a in acts:
         if a.kind == "F":
             seen.add(a.micro)
         elif a.micro not in seen:
-            raise AssertionError(f"p = {p}, m = {m}, stage {stage}: the backward of micro-batch {a.micro} comes "
-                                 f"before its forward; in the steady state run the forward first: "
-                                 f"('F', k + warm-up), then ('B', k)")
+            raise AssertionError(f"{where}: the backward of micro-batch {a.micro} comes before its forward; in "
+                                 f"the steady state run the forward first: ('F', k + warm-up), then ('B', k)")
+
+
+def _warmup(acts) -> int:
+    """Forwards before the first backward."""
+    n = 0
+    while n < len(acts) and acts[n].kind == "F":
+        n += 1
+    return n
+
+
+def _warmup_mistake(p, m, warmups):
+    """The message for a known wrong warm-up, or None."""
+    want = [min(p - s, m) for s in range(p)]  # the warm-up, and the steady state's first forward
+    if warmups == want:
+        return None
+    where = f"p = {p}, m = {m}: forwards before the first backward, stage by stage, {warmups}"
+    if all(w == m for w in warmups):
+        return (f"{where}: that is all forwards, then all backwards (AFAB): every stage holds all m = {m} "
+                f"micro-batches; 1F1B warms up with p - stage - 1 forwards, then alternates: {want} forwards "
+                f"before the first backward")
+    if warmups == [min(p - s + 1, m) for s in range(p)]:
+        return (f"{where}: one warm-up forward too many on each stage (p - stage); 1F1B warms up with "
+                f"p - stage - 1, so {want} forwards come before the first backward: the last stage goes "
+                f"backward right after its first forward")
+    if warmups == [min(p, m)] * p:
+        return (f"{where}: every stage warms up with p - 1 forwards; stage s needs only p - s - 1 (its gradient "
+                f"comes back sooner): {want} forwards before the first backward, so later stages hold fewer "
+                f"micro-batches")
+    if warmups == [min(s + 1, m) for s in range(p)]:
+        return (f"{where}: the warm-up is counted from the wrong end: stage s warmed up with s forwards, so "
+                f"stage 0 waits for a gradient before the others have a micro-batch. The last stage needs no "
+                f"warm-up (its forward ends in the loss), stage 0 the longest: min(p - stage - 1, m)")
+    return f"{where}; 1F1B warms up with min(p - stage - 1, m) forwards, then alternates forward first: {want}"
 
 
 def exercise_1(one_f_one_b_stage):
@@ -57,48 +122,41 @@ def exercise_1(one_f_one_b_stage):
     from ultrascale.parallel.pipeline.schedules import one_f_one_b, with_communication
     from ultrascale.parallel.pipeline.simulate import simulate
 
+    _, called = engine_calls("ultrascale.parallel.pipeline.schedules", one_f_one_b_stage, 4, 0, 8)
+    if called:
+        raise AssertionError(f"one_f_one_b_stage calls the engine's schedule ({', '.join(sorted(called))}): "
+                             f"the exercise is to write it: min(p - stage - 1, m) warm-up forwards, then "
+                             f"('F', k + warm-up), ('B', k) in turn, then the cool-down backwards")
     for p, m in CASES_1:
         lists = [_as_actions(p, s, m, one_f_one_b_stage(p, s, m)) for s in range(p)]
         for s, acts in enumerate(lists):
             _valid_order(p, s, m, acts)
+        warmups = [_warmup(acts) for acts in lists]
         try:
             tl = simulate(with_communication(lists, p, 1), p)
         except RuntimeError as e:
-            raise AssertionError(f"p = {p}, m = {m}: the stages deadlock, each waiting for another "
-                                 f"({str(e).split(': ', 1)[-1]}): a stage can run a backward only after the "
-                                 f"next stage has run it, and a forward only after the previous one") from None
-        warmups = []
-        for acts in lists:
-            n = 0
-            while n < len(acts) and acts[n].kind == "F":
-                n += 1
-            warmups.append(n)
-        want = [min(p - s, m) for s in range(p)]  # the warm-up, and the steady state's first forward
-        if warmups != want:
-            where = f"p = {p}, m = {m}: forwards before the first backward, stage by stage, {warmups}"
-            if all(w == m for w in warmups):
-                raise AssertionError(f"{where}: that is all forwards, then all backwards (AFAB): every stage "
-                                     f"holds all m = {m} micro-batches; 1F1B warms up with p - stage - 1 "
-                                     f"forwards, then alternates: {want} forwards before the first backward")
-            if warmups == [min(p - s + 1, m) for s in range(p)]:
-                raise AssertionError(f"{where}: one warm-up forward too many on each stage (p - stage); 1F1B "
-                                     f"warms up with p - stage - 1, so {want} forwards come before the first "
-                                     f"backward: the last stage "
-                                     f"goes backward right after its first forward")
-            if warmups == [min(p, m)] * p:
-                raise AssertionError(f"{where}: every stage warms up with p - 1 forwards; stage s needs only "
-                                     f"p - s - 1 (its gradient comes back sooner): {want} forwards before the first "
-                                     f"backward, so later stages hold fewer micro-batches")
-            raise AssertionError(f"{where}; 1F1B warms up with min(p - stage - 1, m) forwards, then "
-                                 f"alternates forward first: {want}")
+            known = _warmup_mistake(p, m, warmups)
+            raise AssertionError((known + ". " if known else "")
+                                 + f"p = {p}, m = {m}: the stages deadlock, each waiting for another "
+                                   f"({str(e).split(': ', 1)[-1]}): a stage can run a backward only after the "
+                                   f"next stage has run it, and a forward only after the previous one") from None
+        known = _warmup_mistake(p, m, warmups)
+        if known:
+            raise AssertionError(known)
         for s, acts in enumerate(lists):
             ref = one_f_one_b(p, m, s)
-            if list(acts) != ref:
-                i = next(i for i, (a, b) in enumerate(zip(acts, ref)) if a != b)
+            if list(acts) == ref:
+                continue
+            i = next(i for i, (a, b) in enumerate(zip(acts, ref)) if a != b)
+            if all(a.kind == "B" for a in ref[i:]) and sorted(acts[i:]) == sorted(ref[i:]):
                 raise AssertionError(
-                    f"p = {p}, m = {m}, stage {s}: action {i} is {tuple(acts[i])[:2]}, 1F1B runs "
-                    f"{tuple(ref[i])[:2]}: after the warm-up, alternate ('F', k + warm-up), ('B', k) for "
-                    f"k = 0, 1, ... while forwards remain, then the cool-down backwards in order")
+                    f"p = {p}, m = {m}, stage {s}: the cool-down runs {[a.micro for a in acts[i:]]}; the cool-down "
+                    f"runs the remaining backwards oldest first, {[a.micro for a in ref[i:]]}: the gradients come "
+                    f"back from the next stage in the order the forwards went")
+            raise AssertionError(
+                f"p = {p}, m = {m}, stage {s}: action {i} is {tuple(acts[i])[:2]}, 1F1B runs "
+                f"{tuple(ref[i])[:2]}: after the warm-up, alternate ('F', k + warm-up), ('B', k) for "
+                f"k = 0, 1, ... while forwards remain, then the cool-down backwards in order")
         peak = tl.peak_in_flight
         assert peak == [min(p - s, m) for s in range(p)], f"p = {p}, m = {m}: micro-batches in flight {peak}"
     print(f"1F1B is right on every stage for (p, m) in {CASES_1}: no deadlock, warm-up p - stage - 1, "
@@ -107,33 +165,65 @@ def exercise_1(one_f_one_b_stage):
 
 # -- exercise 2 ---------------------------------------------------------------------------------
 
-def _reference(lists, t_f, t_b, backward_waits=True):
+def _reference(lists, t_f, t_b, waits=("F", "B"), start="max", ends="end", durations="own", T="max",
+               busy="max", over="busy"):
     """(step time, bubble ratio): each action starts when its stage is free and its input has
-    arrived (F k after F k on the stage before; B k after B k on the stage after)."""
+    arrived (F k after F k on the stage before; B k after B k on the stage after). The keywords
+    replay one mistake each: which inputs are waited for, how the start combines the stage's clock
+    with the input (max; their sum; the input alone), whether a stage waits for the end of the action
+    it depends on or its start, stage 0's durations everywhere, the last stage's clock as T, the
+    average or total compute as busy, and the idle time over T."""
     p = len(lists)
-    end = {}
+    t_f, t_b = ([x[0]] * p for x in (t_f, t_b)) if durations == "stage 0" else (t_f, t_b)
+    began, end = {}, {}
     pos, clock = [0] * p, [0.0] * p
     while any(pos[s] < len(lists[s]) for s in range(p)):
         moved = False
         for s in range(p):
             while pos[s] < len(lists[s]):
                 kind, k = lists[s][pos[s]]
-                if kind == "F":
-                    dep = ("F", k, s - 1) if s > 0 else None
-                else:
-                    dep = ("B", k, s + 1) if s < p - 1 and backward_waits else None
+                other = s - 1 if kind == "F" else s + 1
+                dep = (kind, k, other) if kind in waits and 0 <= other < p else None
                 if dep is not None and dep not in end:
                     break
-                start = max(clock[s], end[dep] if dep is not None else 0.0)
-                clock[s] = start + (t_f[s] if kind == "F" else t_b[s])
+                ready = 0.0 if dep is None else (end if ends == "end" else began)[dep]
+                began[(kind, k, s)] = {"max": max(clock[s], ready), "sum": clock[s] + ready,
+                                       "input": ready if dep is not None else clock[s]}[start]
+                clock[s] = began[(kind, k, s)] + (t_f[s] if kind == "F" else t_b[s])
                 end[(kind, k, s)] = clock[s]
                 pos[s] += 1
                 moved = True
         if not moved:
             raise RuntimeError("deadlock")
-    busy = max(sum(t_f[s] if kind == "F" else t_b[s] for kind, _ in lists[s]) for s in range(p))
-    makespan = max(clock)
-    return makespan, (makespan - busy) / busy
+    per_stage = [sum(t_f[s] if kind == "F" else t_b[s] for kind, _ in lists[s]) for s in range(p)]
+    compute = {"max": max(per_stage), "mean": sum(per_stage) / p, "sum": sum(per_stage)}[busy]
+    makespan = clock[-1] if T == "last stage" else max(clock)
+    return makespan, (makespan - compute) / (compute if over == "busy" else makespan)
+
+
+# Each mistake: the rule it breaks (keywords of _reference), and what to say.
+MISTAKES_2 = [
+    (dict(waits=()), "is one stage's compute alone: a forward waits for the previous stage's forward of the same "
+                     "micro-batch, a backward for the next stage's backward"),
+    (dict(waits=("F",)), "lets a backward start before the gradient from the next stage has arrived: B k on "
+                         "stage s waits for B k on stage s + 1"),
+    (dict(start="sum"), "adds the time the input arrived to the stage's clock: an action starts at the later "
+                        "of the two, max(stage free, input arrived), not their sum"),
+    (dict(start="input"), "starts an action as soon as its input has arrived, even while the stage is still "
+                          "busy: a stage runs one action at a time, so it starts at max(stage free, input "
+                          "arrived)"),
+    (dict(ends="start"), "starts an action when the stage it waits for starts the same micro-batch: it can go "
+                         "only once that stage has finished it, so keep when each action ends"),
+    (dict(durations="stage 0"), "uses stage 0's durations on every stage: stage s takes t_f[s] and t_b[s]"),
+    (dict(T="last stage"), "is when stage p - 1 finishes; the step ends when every stage has, the latest of "
+                           "their clocks (stage 0 runs the step's last backward)"),
+    (dict(busy="mean"), "divides by the average compute of the stages: the ratio is over the busiest stage's "
+                        "compute, not the average"),
+    (dict(busy="sum"), "divides by the compute of all stages together: the ratio is over the busiest stage's "
+                       "compute, one stage's work"),
+    (dict(over="T"), "divides the idle time by the step time; the bubble ratio divides it by the compute time "
+                     "of the busiest stage: (T - busy) / busy"),
+]
 
 
 def _lists(name, p, m):
@@ -142,52 +232,64 @@ def _lists(name, p, m):
     return [[(a.kind, a.micro) for a in acts] for acts in build(name, p, m)]
 
 
+EQUAL_2 = [("1f1b", 4, 8, 1.0, 2.0), ("afab", 4, 8, 1.0, 2.0), ("1f1b", 2, 3, 0.5, 1.0),
+           ("1f1b", 4, 16, 1.0, 2.0), ("afab", 3, 5, 2.0, 3.0)]
+# Unequal stages (the last one carries the head and the loss; a slow first stage makes the others
+# wait for its forwards): against the definition.
+UNEQUAL_2 = [("1f1b", 4, 8, [1.0, 1.0, 1.0, 2.0], [2.0, 2.0, 2.0, 3.0]),
+             ("afab", 3, 4, [1.5, 1.0, 1.0], [3.0, 2.0, 2.5]),
+             ("1f1b", 3, 4, [3.0, 1.0, 3.0], [1.0, 3.0, 1.0])]
+
+
+def _same(a, b) -> bool:
+    return abs(a[0] - b[0]) <= 1e-9 and abs(a[1] - b[1]) <= 1e-9
+
+
 def exercise_2(step_time):
     """step_time(stages, t_f, t_b) -> (step time, bubble ratio) of per-stage action lists."""
     from ultrascale.parallel.pipeline.schedules import schedule
     from ultrascale.parallel.pipeline.simulate import simulate
 
-    cases = [("1f1b", 4, 8, 1.0, 2.0), ("afab", 4, 8, 1.0, 2.0), ("1f1b", 2, 3, 0.5, 1.0),
-             ("1f1b", 4, 16, 1.0, 2.0), ("afab", 3, 5, 2.0, 3.0)]
+    lists = _lists("1f1b", 4, 8)
+    _, called = engine_calls("ultrascale.parallel.pipeline.simulate", step_time, [list(x) for x in lists],
+                             [1.0] * 4, [2.0] * 4)
+    if called:
+        raise AssertionError(f"step_time calls the engine's simulator ({', '.join(sorted(called))}): the exercise "
+                             f"is to write it: advance each stage through its list while the input of its next "
+                             f"action has arrived, keeping when each action ends")
+    cases = [(name, p, m, [tf] * p, [tb] * p) for name, p, m, tf, tb in EQUAL_2] + UNEQUAL_2
+    runs = []
     for name, p, m, tf, tb in cases:
         lists = _lists(name, p, m)
-        got = step_time([list(x) for x in lists], [tf] * p, [tb] * p)
+        got = step_time([list(x) for x in lists], list(tf), list(tb))
         if not isinstance(got, tuple) or len(got) != 2:
             raise AssertionError("return a tuple (step time, bubble ratio)")
-        T, bubble = float(got[0]), float(got[1])
-        tl = simulate(schedule(name, p, m), p, 1, t_f=tf, t_b=tb, t_w=0.0)
-        busy = max(tl.busy)
-        where = f"{name}, p = {p}, m = {m}, F = {tf:g}, B = {tb:g} on every stage"
-        require_finite([T, bubble], f"your (step time, bubble ratio) for {where}")
-        if not abs(T - tl.makespan) <= 1e-9:
-            if abs(T - busy) < 1e-9:
-                raise AssertionError(f"{where}: your step time {T:g} is one stage's compute alone; a forward "
-                                     f"waits for the previous stage's forward of the same micro-batch, a "
-                                     f"backward for the next stage's backward: the engine's simulator gives "
-                                     f"{tl.makespan:g}")
-            no_b = _reference(lists, [tf] * p, [tb] * p, backward_waits=False)[0]
-            if abs(T - no_b) < 1e-9:
-                raise AssertionError(f"{where}: your step time {T:g} lets a backward start before the "
-                                     f"gradient from the next stage has arrived: B k on stage s waits for "
-                                     f"B k on stage s + 1 (the simulator gives {tl.makespan:g})")
-            raise AssertionError(f"{where}: step time {T:g}, the engine's simulator gives {tl.makespan:g}")
-        if not abs(bubble - tl.bubble_ratio) <= 1e-9:
-            if abs(bubble - (T - busy) / T) < 1e-9:
-                raise AssertionError(f"{where}: your bubble {bubble:.4f} divides the idle time by the step time; "
-                                     f"the bubble ratio divides it by the compute time of the busiest stage: "
-                                     f"(T - busy) / busy = {tl.bubble_ratio:.4f}")
-            raise AssertionError(f"{where}: bubble {bubble:.4f}, the engine's simulator gives "
-                                 f"{tl.bubble_ratio:.4f} = (T - busy) / busy")
-    # Unequal stages (the last one carries the head and the loss): against the definition.
-    for name, p, m, tf, tb in [("1f1b", 4, 8, [1.0, 1.0, 1.0, 2.0], [2.0, 2.0, 2.0, 3.0]),
-                               ("afab", 3, 4, [1.5, 1.0, 1.0], [3.0, 2.0, 2.5])]:
-        lists = _lists(name, p, m)
-        T, bubble = (float(x) for x in step_time([list(x) for x in lists], list(tf), list(tb)))
-        want_T, want_bubble = _reference(lists, tf, tb)
-        where = f"{name}, p = {p}, m = {m}, F per stage {tf}, B per stage {tb}"
-        require_finite([T, bubble], f"your (step time, bubble ratio) for {where}")
-        if not (abs(T - want_T) <= 1e-9 and abs(bubble - want_bubble) <= 1e-9):
-            raise AssertionError(f"{where}: got ({T:g}, {bubble:.4f}), want ({want_T:g}, {want_bubble:.4f}): "
-                                 f"use each stage's own durations, and the busiest stage's compute for the ratio")
-    print(f"step time and bubble equal the engine's simulator for {len(cases)} schedules, and the definition "
-          f"with unequal stages")
+        equal = len(set(tf)) == 1 and len(set(tb)) == 1
+        where = (f"{name}, p = {p}, m = {m}, " + (f"F = {tf[0]:g}, B = {tb[0]:g} on every stage" if equal
+                                                  else f"F per stage {tf}, B per stage {tb}"))
+        require_finite(list(got), f"your (step time, bubble ratio) for {where}")
+        got = (float(got[0]), float(got[1]))
+        if equal:
+            tl = simulate(schedule(name, p, m), p, 1, t_f=tf[0], t_b=tb[0], t_w=0.0)
+            want = (tl.makespan, tl.bubble_ratio)
+            assert _same(want, _reference(lists, tf, tb)), "the check's reference disagrees with the simulator"
+        else:
+            want = _reference(lists, tf, tb)
+        runs.append((where, lists, tf, tb, got, want))
+    wrong = [run for run in runs if not _same(run[4], run[5])]
+    if not wrong:
+        print(f"step time and bubble equal the engine's simulator for {len(EQUAL_2)} schedules, and the "
+              f"definition with unequal stages")
+        return
+    for rule, says in MISTAKES_2:
+        replayed = [_reference(lists, tf, tb, **rule) for _, lists, tf, tb, _, _ in runs]
+        if all(_same(run[4], r) for run, r in zip(runs, replayed)):
+            where, _, _, _, got, want = next(run for run, r in zip(runs, replayed) if not _same(run[5], r))
+            raise AssertionError(f"{where}: your (step time, bubble) ({got[0]:g}, {got[1]:.4f}) {says}; the "
+                                 f"definition gives ({want[0]:g}, {want[1]:.4f})")
+    where, _, _, _, got, want = wrong[0]
+    what = "step time" if abs(got[0] - want[0]) > 1e-9 else "bubble ratio"
+    raise AssertionError(f"{where}: got ({got[0]:g}, {got[1]:.4f}), want ({want[0]:g}, {want[1]:.4f}) (the engine's "
+                         f"simulator, or the definition where stages differ): your {what} differs. An action "
+                         f"starts at max(stage free, input arrived) and takes its own stage's time; "
+                         f"bubble = (T - busy) / busy, busy the busiest stage's compute")
