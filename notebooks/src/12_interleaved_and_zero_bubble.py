@@ -208,6 +208,14 @@ for name, v in RUNS.items():
     display(Image(filename=planned), Image(filename=recorded))
 ''')
 
+EXPLORER = code(r'''
+# A pipeline schedule explorer, on the engine's schedules and its simulator (forward 1, backward 2).
+# The figure for 1F1B with p = 4, m = 8; in Jupyter or Colab the controls below it redraw it.
+from ultrascale.series.widgets import pipeline_explorer
+
+explorer = pipeline_explorer(schedule="1f1b", p=4, m=8, v=2)
+''')
+
 BUBBLE = code(r'''
 def mean(spans, kind):
     times = [e - s for rank in spans for _, k, s, e in rank if k == kind]
@@ -372,6 +380,14 @@ only where a chunk's compute is large against a message. Its memory price shows 
 activations held than under 1F1B.
 '''),
             BUBBLE,
+            md(r'''
+Now play with the schedules yourself: for each, the Gantt chart of every rank and its bubble as the
+simulator plays the engine's own action lists, beside the closed formula the planner uses. Raise $m$ and
+watch 1F1B's bubble fall as $(p-1)/m$; switch to interleaved and raise $v$; compare zero bubble and
+DualPipeV at the same $m$ (DualPipeV needs $m \ge 2p$). (Without a widget front-end the cell shows the
+figure for the values it was called with; `explorer.update(schedule="zero-bubble", m=16)` draws another.)
+'''),
+            EXPLORER,
         ]),
     ],
     exercises=[

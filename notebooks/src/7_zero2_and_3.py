@@ -242,6 +242,14 @@ for model in ("llama3-8b", "llama3-70b"):
 ''')
 
 
+EXPLORER = code(r'''
+# The playbook's memory widget, on the planner: pick a model and a layout, read the memory per GPU by owner.
+# Here the figure for Llama 3 8B on 8 GPUs under ZeRO-1; in Jupyter or Colab the controls below it redraw it.
+from ultrascale.series.widgets import memory_explorer
+
+explorer = memory_explorer(model="llama3-8b", dp=8, zero=1)
+''')
+
 OFFLOAD_MEMORY = code(r'''
 def with_offload(cfg, offload):
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload=offload))
@@ -503,7 +511,13 @@ and pipeline parallelism, the next parts. ZeRO-3's own limit is time,
 not memory: every micro-batch all-gathers the whole model twice, and when a block's compute gets shorter
 than its all-gather (small micro-batches, slow links between nodes, thousands of GPUs adding latency
 steps), prefetching can no longer hide it.
+
+Try it: move the ZeRO stage from 0 to 3 and watch the parameters, gradients and optimizer states shrink in
+turn while the activations stay; then raise the sequence length, or switch recomputation on, and see which
+owner sets the floor. (Without a widget front-end, as on GitHub, the cell shows the figure for the values
+it was called with; `explorer.update(zero=3)` draws another.)
 '''),
+            EXPLORER,
         ]),
         Section("Offload: when even 1/N does not fit", [
             md(r'''

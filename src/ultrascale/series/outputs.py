@@ -94,6 +94,12 @@ def _clean(output) -> dict:
     return out
 
 
+def _live(output) -> bool:
+    """A widget's view: controls that need their kernel, dead in a saved notebook (GitHub shows nothing,
+    Jupyter "model not found"); the figure printed before them is what a saved notebook shows."""
+    return "application/vnd.jupyter.widget-view+json" in output.get("data", {})
+
+
 def with_outputs(built, executed) -> nbformat.NotebookNode:
     """`built` (build_notebook's notebook) with the outputs and execution counts of `executed`, the same
     notebook after a run, and the record of that run. Only outputs are taken: the metadata stays the
@@ -101,7 +107,7 @@ def with_outputs(built, executed) -> nbformat.NotebookNode:
     out = without_outputs(built)
     for cell, ran in zip(out.cells, executed.cells):
         if cell.cell_type == "code" and cell.source == ran.source:
-            cell.outputs = [nbformat.from_dict(_clean(o)) for o in ran.get("outputs", [])]
+            cell.outputs = [nbformat.from_dict(_clean(o)) for o in ran.get("outputs", []) if not _live(o)]
             cell.execution_count = ran.get("execution_count")
     out.metadata.setdefault("ultrascale", {})[RUN] = {"source_sha256": source_fingerprint(built),
                                                       "outputs_sha256": outputs_fingerprint(out)}
