@@ -108,3 +108,18 @@ def grade(part: int, k: int, source: str) -> str:
     except AssertionError as e:
         return str(e)
     return PASSED
+
+
+# ---- the two tests every part's corpus runs (collected in each test_partN_*.py that imports them;
+# conftest.py gives them that module's WRONG and RIGHT) ---------------------------------------------
+
+def test_a_wrong_answer_is_rejected_naming_its_mistake(request, wrong):
+    k, label, says, source = wrong
+    said = grade(request.module.PART, k, source)
+    assert said != PASSED, f"{label} passed"
+    assert says in said, said
+
+
+def test_an_unusual_right_answer_passes(request, right):
+    k, label, source = right
+    assert grade(request.module.PART, k, source) == PASSED

@@ -1,8 +1,7 @@
 """Part 5's answers: the accumulation steps of a token budget, and (mbs, ga, dp) chosen like the planner."""
 
-import pytest
-
-from answers import PASSED, grade
+from answers import (  # noqa: F401 - collected here, with this part's WRONG and RIGHT (conftest.py)
+    test_a_wrong_answer_is_rejected_naming_its_mistake, test_an_unusual_right_answer_passes)
 
 PART = 5
 
@@ -226,15 +225,3 @@ def choose_layout(gbs_tokens, seq_len, gpus, max_mbs):
     return mbs, per_gpu // mbs, gpus
 '''),
 ]
-
-
-@pytest.mark.parametrize("k, label, says, source", WRONG, ids=[w[1] for w in WRONG])
-def test_a_wrong_answer_is_rejected_naming_its_mistake(k, label, says, source):
-    said = grade(PART, k, source)
-    assert said != PASSED, f"{label} passed"
-    assert says in said, said
-
-
-@pytest.mark.parametrize("k, label, source", RIGHT, ids=[r[1] for r in RIGHT])
-def test_an_unusual_right_answer_passes(k, label, source):
-    assert grade(PART, k, source) == PASSED
