@@ -499,8 +499,8 @@ part12.exercise_2(input_grad, weight_grad)
     quiz=[
         QuizQuestion(
             question="With p = 4, m = 8 and v = 2 chunks per rank, what is the interleaved schedule's bubble ratio?",
-            options=["3/16", "3/8", "3/4", "1/8"],
-            answer=0,
+            options=["3/8", "3/16", "3/4", "1/8"],
+            answer=1,
             why="(p - 1)/(v m) = 3/16: each fill or drain step is one chunk, half a stage.",
         ),
         QuizQuestion(
@@ -514,17 +514,17 @@ part12.exercise_2(input_grad, weight_grad)
         ),
         QuizQuestion(
             question="With F, I and W of equal cost, how does ZB-H1's idle time compare with 1F1B's?",
-            options=["A third", "The same", "Half", "Zero"],
-            answer=0,
+            options=["The same", "Half", "Zero", "A third"],
+            answer=3,
             why="(p - 1)(t_F + t_I - t_W) against (p - 1)(t_F + t_I + t_W): 1 against 3.",
         ),
         QuizQuestion(
             question="In DualPipeV on p ranks, which rank computes the loss?",
-            options=["Rank 0: it holds the first stage and, at the top of the V, the last",
-                     "Rank p - 1, as in 1F1B",
+            options=["Rank p - 1, as in 1F1B",
                      "Every rank, for its own micro-batches",
+                     "Rank 0: it holds the first stage and, at the top of the V, the last",
                      "Rank p - 1, at the turn of the V"],
-            answer=0,
+            answer=2,
             why="Rank r holds stages r and 2p - 1 - r: stage 2p - 1, with the head and the loss, is on rank 0.",
         ),
     ],

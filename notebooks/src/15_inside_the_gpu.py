@@ -419,35 +419,35 @@ part15.exercise_2(roofline)
     quiz=[
         QuizQuestion(
             question="An H100 has ~989 TFLOP/s of dense BF16 and 3.35 TB/s of HBM. Which is memory-bound?",
-            options=["A bf16 RMSNorm over a [4096, 4096] activation",
-                     "A bf16 matmul [8192, 8192] @ [8192, 8192]",
+            options=["A bf16 matmul [8192, 8192] @ [8192, 8192]",
+                     "A bf16 RMSNorm over a [4096, 4096] activation",
                      "Both", "Neither"],
-            answer=0,
+            answer=1,
             why="A norm does a few FLOPs per element moved, far below the ~295 FLOP/byte ridge; the big matmul "
                 "does ~2700.",
         ),
         QuizQuestion(
             question="What does FlashAttention avoid writing to HBM?",
-            options=["The s × s scores and probabilities", "Q, K and V", "The output", "The softmax's row max"],
-            answer=0,
+            options=["Q, K and V", "The output", "The softmax's row max", "The s × s scores and probabilities"],
+            answer=3,
             why="It keeps each tile of scores in SRAM; only the output and per-row statistics go to HBM.",
         ),
         QuizQuestion(
             question="In the online softmax, a new block raises a row's max from m to m'. What must happen "
                      "to the running sum and the output accumulator?",
-            options=["Multiply both by exp(m - m')", "Nothing: the final division fixes it",
-                     "Divide both by the block's sum", "Reset both to zero"],
-            answer=0,
+            options=["Nothing: the final division fixes it", "Divide both by the block's sum",
+                     "Multiply both by exp(m - m')", "Reset both to zero"],
+            answer=2,
             why="Everything accumulated was exp(score - m); it must become exp(score - m') before the new terms "
                 "are added.",
         ),
         QuizQuestion(
             question="Why does torch.compile speed up a chain of elementwise ops?",
-            options=["It fuses them into one kernel that reads and writes memory once",
-                     "It lowers their precision",
+            options=["It lowers their precision",
+                     "It fuses them into one kernel that reads and writes memory once",
                      "It runs them on the tensor cores",
                      "It skips the ops whose results are unused in backward"],
-            answer=0,
+            answer=1,
             why="The chain is memory-bound; fusion keeps the intermediates in registers and cuts the bytes moved.",
         ),
     ],

@@ -354,11 +354,11 @@ part16.exercise_2(quantize_e4m3, dequantize)
     quiz=[
         QuizQuestion(
             question="Why does bf16 training usually need no loss scaling while fp16 does?",
-            options=["bf16 has fp32's 8 exponent bits, so its range is fp32's",
-                     "bf16 has more mantissa bits than fp16",
+            options=["bf16 has more mantissa bits than fp16",
+                     "bf16 has fp32's 8 exponent bits, so its range is fp32's",
                      "bf16 gradients are kept in fp32",
                      "bf16 matmuls accumulate in fp64"],
-            answer=0,
+            answer=1,
             why="Underflow is a matter of range (exponent bits); fp16 has only 5, bf16 has 8 and 3 fewer "
                 "mantissa bits than fp16.",
         ),
@@ -374,18 +374,18 @@ part16.exercise_2(quantize_e4m3, dequantize)
         QuizQuestion(
             question="With Adam and bf16 mixed precision (fp32 gradients, as in this engine), how many bytes "
                      "per parameter do weights, gradients, masters and moments take?",
-            options=["18 (2 + 4 + 4 + 8)", "16", "12", "8"],
-            answer=0,
+            options=["16", "12", "8", "18 (2 + 4 + 4 + 8)"],
+            answer=3,
             why="bf16 weights 2, fp32 gradients 4, fp32 masters 4, two fp32 moments 8; with bf16 gradients it "
                 "is the playbook's 16.",
         ),
         QuizQuestion(
             question="Why does per-tensor FP8 scaling divide the format's max by the tensor's amax?",
-            options=["So the largest element uses the top of FP8's range and small ones do not underflow",
-                     "To make every element equal to 448",
+            options=["To make every element equal to 448",
                      "To convert FP8 to bf16",
+                     "So the largest element uses the top of FP8's range and small ones do not underflow",
                      "To normalise the tensor's mean to zero"],
-            answer=0,
+            answer=2,
             why="FP8's range is tiny; the scale moves the tensor's values where the format has them.",
         ),
     ],

@@ -395,17 +395,18 @@ part6.exercise_2(zero1_bytes_per_rank)
         QuizQuestion(
             "A 7B-parameter model is trained in bf16 with mixed-precision AdamW (bf16 gradients) on 8 data-parallel "
             "GPUs with ZeRO-1. About how many GB of model states does each GPU hold?",
-            ["7 x (2 + 2 + 8/8) = 35 GB", "7 x (2 + 2 + 12/8) = 38.5 GB", "7 x (2 + 2 + 12) = 112 GB",
-             "7 x 16 / 8 = 14 GB"],
-            1,
+            ["7 x (2 + 2 + 8/8) = 35 GB", "7 x (2 + 2 + 12) = 112 GB", "7 x 16 / 8 = 14 GB",
+             "7 x (2 + 2 + 12/8) = 38.5 GB"],
+            3,
             "k = 12: fp32 master weights plus two moments are all sharded; parameters and gradients stay whole.",
         ),
         QuizQuestion(
             "Why does ZeRO-1 cost about the same communication as plain data parallelism?",
             ["It skips the gradient all-reduce",
+             "It compresses gradients to 8 bits",
              "Reduce-scatter + all-gather move the same bytes as the all-reduce they replace",
-             "It compresses gradients to 8 bits", "It communicates only every N steps"],
-            1,
+             "It communicates only every N steps"],
+            2,
             "A ring all-reduce is a reduce-scatter followed by an all-gather; ZeRO-1 splits them around the "
             "optimizer step.",
         ),
@@ -421,10 +422,11 @@ part6.exercise_2(zero1_bytes_per_rank)
         ),
         QuizQuestion(
             "Why must the flat vector be padded before the reduce-scatter?",
-            ["To align it to 128 bytes for the GPU", "Reduce-scatter and all-gather need equal slices: its length "
-             "must be a multiple of the number of ranks", "Adam needs an even number of elements",
+            ["Reduce-scatter and all-gather need equal slices: its length "
+             "must be a multiple of the number of ranks", "To align it to 128 bytes for the GPU",
+             "Adam needs an even number of elements",
              "To leave room for the gradient norm"],
-            1,
+            0,
             "Each rank receives exactly length/N elements, so the length is padded up to a multiple of N with zeros.",
         ),
     ],

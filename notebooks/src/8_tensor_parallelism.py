@@ -359,11 +359,11 @@ part8.exercise_2(vocab_parallel_ce)
     quiz=[
         QuizQuestion(
             question="Why does Megatron make the MLP's first linear column-parallel and its second row-parallel?",
-            options=["The GELU between them then acts on whole features on each rank: one all-reduce per MLP",
-                     "Row-parallel layers need less memory for their weights",
+            options=["Row-parallel layers need less memory for their weights",
+                     "The GELU between them then acts on whole features on each rank: one all-reduce per MLP",
                      "It lets the MLP run without any communication",
                      "Column-parallel layers are faster on GPUs"],
-            answer=0,
+            answer=1,
             why="Column-parallel outputs are whole features, exactly the input shard a row-parallel layer needs.",
         ),
         QuizQuestion(
@@ -378,18 +378,18 @@ part8.exercise_2(vocab_parallel_ce)
         QuizQuestion(
             question="How many all-reduces of a [b, s, h] activation does one transformer block cost per "
                      "micro-batch under tensor parallelism (forward and backward)?",
-            options=["4", "2", "1", "t"],
-            answer=0,
+            options=["2", "1", "t", "4"],
+            answer=3,
             why="One g each for attention and MLP in forward, one f each in backward; measured above.",
         ),
         QuizQuestion(
             question="Why is tensor parallelism usually kept inside one node?",
-            options=["Its all-reduces sit on the critical path of every layer, with volume that does not shrink "
-                     "with t",
-                     "torch.distributed cannot span nodes",
+            options=["torch.distributed cannot span nodes",
                      "It needs the whole model on every GPU",
+                     "Its all-reduces sit on the critical path of every layer, with volume that does not shrink "
+                     "with t",
                      "It only works with 8 GPUs"],
-            answer=0,
+            answer=2,
             why="The next layer waits for each all-reduce, so TP needs NVLink-class bandwidth.",
         ),
     ],
