@@ -107,7 +107,9 @@ def zero1_step(params, master, opt):
     flat_grad[:numel] = torch.cat([p.grad.reshape(-1) for p in params])
     master.grad = flat_grad[rank * master.numel():(rank + 1) * master.numel()].clone()
 ''' + GATHER),
-    (1, "all-gathers with an all-reduce over NaN", "a NaN or an infinity in rank 0's parameters",
+    # Summing over torch.empty's garbage (NaN here, every run) would spoil the values too; the all-reduce where
+    # an all-gather belongs is said first.
+    (1, "all-gathers with an all-reduce over NaN", "twice the bytes of an all-gather",
      SHARD + REDUCE_SCATTER + '''
     opt.step()
     full = torch.full((padded,), float("nan"))  # torch.empty in a learner's code: NaN here, every run
@@ -241,22 +243,56 @@ def zero1_bytes_per_rank(psi, n, grad_bytes=2):
     k = float("nan")  # TODO: bytes of optimizer state per parameter
     return {"params": 2 * psi, "grads": grad_bytes * psi, "optim": k * psi / n}
 '''),
-]
-
-RIGHT = [  # (exercise, label, answer source): unusual but right
-    (1, "all-reduces the whole gradient and keeps its slice; list all_gather", SHARD + '''
+    (1, "all-reduces the whole gradient and keeps its slice", "all-reduced the gradients before opt.step()", SHARD + '''
 def zero1_step(params, master, opt):
     world, rank = dist.get_world_size(), dist.get_rank()
     size = master.numel()
     flat_grad = torch.cat([p.grad.reshape(-1) for p in params])
     flat_grad = torch.cat([flat_grad, flat_grad.new_zeros(size * world - flat_grad.numel())])
-    dist.all_reduce(flat_grad)  # more bytes than a reduce-scatter, the same average
+    dist.all_reduce(flat_grad)
     master.grad = flat_grad[rank * size:(rank + 1) * size] / world
     opt.step()
     shards = [torch.empty(size) for _ in range(world)]
     dist.all_gather(shards, master.detach())
     numel = sum(p.numel() for p in params)
     torch.nn.utils.vector_to_parameters(torch.cat(shards)[:numel], params)
+'''),
+    (1, "all-gathers with an all-reduce of a zero-filled vector", "twice the bytes of an all-gather", SHARD + REDUCE_SCATTER + '''
+    opt.step()
+    full = torch.zeros(padded)
+    full[rank * master.numel():(rank + 1) * master.numel()] = master.detach()
+    dist.all_reduce(full)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(full[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+'''),
+]
+
+RIGHT = [  # (exercise, label, answer source): unusual but right
+    (1, "list reduce_scatter and all_gather, chunks of the padded vector", '''
+def shard_parameters(params):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    flat = torch.cat([p.detach().flatten() for p in params])
+    flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % world)])
+    return nn.Parameter(list(flat.chunk(world))[rank].clone())
+
+def zero1_step(params, master, opt):
+    world = dist.get_world_size()
+    flat = torch.cat([p.grad.flatten() for p in params])
+    flat = torch.cat([flat, flat.new_zeros(master.numel() * world - flat.numel())])
+    mine = torch.empty_like(master)
+    dist.reduce_scatter(mine, [c.contiguous() for c in flat.chunk(world)])
+    master.grad = mine.div_(world)
+    opt.step()
+    pieces = [torch.empty_like(master) for _ in range(world)]
+    dist.all_gather(pieces, master.detach())
+    full, offset = torch.cat(pieces), 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(full[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
 '''),
     (1, "averages before the reduce-scatter; every owner broadcasts its shard", '''
 def shard_parameters(params):
@@ -279,17 +315,6 @@ def zero1_step(params, master, opt):
         dist.broadcast(piece, src=owner)
     with torch.no_grad():
         torch.nn.utils.vector_to_parameters(full[:sum(p.numel() for p in params)], params)
-'''),
-    (1, "all-gathers with an all-reduce of a zero-filled vector", SHARD + REDUCE_SCATTER + '''
-    opt.step()
-    full = torch.zeros(padded)
-    full[rank * master.numel():(rank + 1) * master.numel()] = master.detach()
-    dist.all_reduce(full)  # the other ranks add zeros to this rank's slice
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            p.copy_(full[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
 '''),
     (2, "integer arithmetic and an extra total", '''
 def zero1_bytes_per_rank(psi, n, grad_bytes=2):
