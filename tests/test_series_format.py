@@ -194,6 +194,13 @@ def _cuda(d):
     d["sections"][0]["cells"].append({"kind": "code", "source": "import torch\nx = torch.ones(2).cuda()"})
 
 
+def _one_letter(d):
+    """Question 2's right option moved to A, where questions 1 and 3 have theirs."""
+    q = d["quiz"][1]
+    q["options"] = [q["options"][q["answer"]]] + [o for i, o in enumerate(q["options"]) if i != q["answer"]]
+    q["answer"] = 0
+
+
 @pytest.mark.parametrize("name, breakage, rule", [
     ("6_averages.ipynb", _third_exercise, "exercises"),
     ("6_averages.ipynb", _fifth_question, "quiz"),
@@ -224,6 +231,7 @@ def _cuda(d):
                                    "model = DDP(torch.nn.Linear(2, 2))"}), "process-group"),
     ("6_averages.ipynb", lambda d: d["quiz"][1].update(why=""), "quiz-answer"),
     ("6_averages.ipynb", lambda d: d["quiz"][2].update(options=["3"], answer=0), "quiz-answer"),
+    ("6_averages.ipynb", _one_letter, "quiz-answer"),
     ("6_averages.ipynb", lambda d: d.update(overview=["only one bullet"]), "overview"),
     ("6_Averages.ipynb", lambda d: None, "file-name"),
     ("6-averages.ipynb", lambda d: None, "file-name"),
@@ -234,6 +242,12 @@ def test_each_broken_rule_is_named(tiny, tmp_path, name, breakage, rule):
     assert rule in rules(found), [v.line() for v in found]
     # Breaking one rule breaks nothing else.
     assert set(rules(found)) == {rule}, [v.line() for v in found]
+
+
+def test_every_answer_at_one_letter_is_named(tiny, tmp_path):
+    _one_letter(tiny)
+    found = [v.message for v in lint_file(write(tmp_path, "6_averages.ipynb", tiny))]
+    assert found == ["every question's answer is A); put the right options at different letters"]
 
 
 def _answers_under_questions(nb):

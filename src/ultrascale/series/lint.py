@@ -20,8 +20,8 @@ exercise-check     no check cell, or a check that never calls the learner's code
 quiz               no quiz, or not 3-4 questions
 quiz-answer        the answers are not at the end of the notebook: a question without options, an answer
                    under its question (ticked, or in a <details> block there), a question with no answer
-                   in the Answers section at the end, an answer without a one-line why, or cells after
-                   the answers
+                   in the Answers section at the end, an answer without a one-line why, cells after
+                   the answers, or every answer at one letter
 
 The rules about code (syntax, imports, accelerator, process-group) are in
 code_rules.py. Code cells tagged `needs-gpu` may use CUDA: the runner skips them on CPU.
@@ -209,6 +209,12 @@ def _quiz(o: Outline, v) -> None:
                                       f"'## Answers' with each question's answer: {ANSWERS_HOW}")
     for i, q in enumerate(o.questions, 1):
         _question(i, q, o, no_key, v)
+    answers = {q.answer for q in o.questions if q.answer is not None and 0 <= q.answer < len(q.options)}
+    if n >= 3 and len(answers) == 1 and all(q.answer is not None for q in o.questions):
+        # Listed together at the end, one letter for every answer is a pattern a learner sees before thinking.
+        letter = "ABCDE"[answers.pop()]
+        v(o.answers_cell if o.answers_cell is not None else o.quiz_cell, "quiz-answer",
+          f"every question's answer is {letter}); put the right options at different letters")
     if o.after_answers:
         k = o.after_answers[0]
         v(o.answers_cell, "quiz-answer", f"the answers are not at the end of the notebook: cell {k} comes after "

@@ -39,7 +39,8 @@ REQUIREMENTS = """\
     starter and pass on the solution.
 - Quiz: 3 or 4 multiple-choice questions, each with options, the 0-based index of the right one, and a
   one-line `why`. The notebook asks the questions in its Quiz section and gives all the answers (letter,
-  option and why) together at the end, so never write an answer into a question's text.
+  option and why) together at the end, so never write an answer into a question's text, and put the right
+  options at different letters (listed together, one letter for every answer gives them away).
 - `references`: earlier episodes this one builds on, if any ("Building on what we learned in Part 1 ...").
 
 ### Code
