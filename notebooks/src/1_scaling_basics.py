@@ -50,6 +50,7 @@ opt.step()                                  # AdamW creates its two moments on t
 show("after step", owners())
 opt.zero_grad(set_to_none=True)
 show("after zero_grad", owners())
+print(f"activations at the end of forward: {meter.peak / storage_bytes(model.parameters()):.1f} x the parameters")
 ''')
 
 OWNERS = code(r'''
@@ -68,6 +69,8 @@ for dtype, metrics in runs.items():
     print(f"{dtype}: " + " + ".join(f"{k} {v:g}" for k, v in per_param.items())
           + f" = {sum(per_param.values()):g} bytes per parameter;"
           + f" activations {mem['activations'] / 2**20:.2f} MiB for 8 x 64 tokens")
+act = {dtype: metrics[-1]["memory"]["activations"] for dtype, metrics in runs.items()}
+print(f"bf16 activations / fp32 activations: {act['bf16'] / act['fp32']:.2f}")
 ''')
 
 PLANNER = code(r'''
@@ -110,7 +113,7 @@ import os
 import sysconfig
 import tempfile
 
-# The `email` package of Python's standard library: about a megabyte of text on every machine with Python.
+# The `email` package of Python's standard library: about 2 MB of text on every machine with Python.
 source = os.path.join(sysconfig.get_paths()["stdlib"], "email")
 work = tempfile.mkdtemp()
 # 1. Tokenize once into memory-mapped shards (bytes as tokens), holding 10% of the text out for validation.
@@ -242,7 +245,7 @@ Llama 3: RMSNorm, RoPE, grouped-query attention, SwiGLU), measuring bytes on the
             STEP,
             md(r'''
 Parameters (4 bytes each in fp32) are there from the start. Forward adds the activations - for this tiny
-model and 512 tokens, several times the parameters. Backward frees them and creates the gradients (4
+model and 512 tokens, 12.7 times the parameters. Backward frees them and creates the gradients (4
 bytes each). The optimizer step creates Adam's first and second moments (4 + 4 bytes). `zero_grad` with
 `set_to_none=True` drops the gradients until the next backward.
 
@@ -260,8 +263,10 @@ keeps an **fp32 master copy** of the weights (4) next to its two fp32 moments (4
 
 $$2 + 2 + 4 + 4 + 4 = 16 \text{ bytes per parameter}$$
 
-Mixed precision saves no model-state memory; it saves **activations** (2 bytes per value instead of 4)
-and time (bf16 tensor cores are 2x faster). Here is the engine's trainer on the tiny model, in both dtypes:
+Mixed precision saves no model-state memory; it saves **activations** (2 bytes per value instead of 4,
+for the values kept in bf16) and time: an H100's data sheet gives 989.5 TFLOP/s in bf16, twice its 494.7
+in fp32 on TF32 tensor cores (the trainer's table, printed in the MFU section). Here is the engine's
+trainer on the tiny model, in both dtypes:
 '''),
             OWNERS,
             md(r'''
@@ -270,6 +275,9 @@ each bf16 gradient into an **fp32** gradient buffer (`main_grad`) and frees the 
 gradient accumulation over micro-batches and the all-reduce happen in fp32. The optimizer's 12 bytes
 are the fp32 master weights (4) and the two moments (8). The playbook's 16 keeps bf16 gradients; frameworks
 that also keep an fp32 accumulator beside them (nanotron, the playbook's benchmark runs) hold 20.
+
+The activations shrink to 0.67 of fp32's, not to half: even in bf16 the norms, RoPE and the loss compute
+in fp32 and keep fp32 tensors for backward (Part 2 lists them tensor by tensor).
 
 The planner (`ultrascale plan memory`) models each recipe. For Llama 3 8B on a single GPU:
 '''),
@@ -348,7 +356,7 @@ it, $4sh \cdot 3 = 12sh$. It grows with the sequence length. PyTorch's FLOP coun
 Both terms are exact for the operations that run. The playbook's $6N$ (and the engine's
 `flops_per_token`, which reproduces the MFU column of the playbook's benchmark runs) counts **every**
 parameter, embedding included, although looking up an embedding row is not a matmul; on the tiny model
-that is a large share, on an 8B model a few percent. And with a causal mask half of $QK^T$ is never needed:
+that is 16% of $N$, on Llama 3 8B 6.5% (the last line above). And with a causal mask half of $QK^T$ is never needed:
 FlashAttention skips it, the $12Lhs$ convention does not. Conventions differ; what matters is to say which one
 a reported MFU uses.
 '''),
@@ -482,7 +490,8 @@ part1.exercise_2(model_flops_and_mfu)
              "Activation memory and time; model states stay at 16 bytes per parameter or more",
              "Only optimizer memory"],
             2,
-            "The fp32 master weights and moments remain; activations halve and bf16 matmuls run faster.",
+            "The fp32 master weights and moments remain; activations shrink (2 bytes per value computed in bf16) "
+            "and bf16 matmuls run faster.",
         ),
         QuizQuestion(
             "Why is the training cost of the weights 6N FLOPs per token?",

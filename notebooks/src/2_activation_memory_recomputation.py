@@ -77,6 +77,8 @@ for s in (32, 64, 128, 256):
 slope = (per_token[256] - per_token[128]) / 128
 print(f"each extra position adds {slope:g} bytes per token = 4 bytes x {slope / 4:g} heads: "
       f"one fp32 attention probability per head per key")
+print(f"at s=256 the probabilities are {slope * 256:,.0f} of the {per_token[256]:,.0f} bytes per token "
+      f"({slope * 256 / per_token[256]:.0%})")
 ''')
 
 PLANNER = code(r'''
@@ -100,7 +102,8 @@ def planned_activations(seq_len, attention="flash", recompute="none"):
 
 for seq_len in (2048, 4096, 8192):
     flash, eager = planned_activations(seq_len), planned_activations(seq_len, "eager")
-    print(f"llama3-8b, one sequence of {seq_len:5d}: flash {flash / 2**30:6.1f} GiB, eager {eager / 2**30:6.1f} GiB")
+    print(f"llama3-8b, one sequence of {seq_len:5d}: flash {flash / 2**30:6.1f} GiB, eager {eager / 2**30:6.1f} GiB"
+          f"  (flash: {flash / seq_len / 2**20:.2f} MiB per token)")
 ''')
 
 RECOMPUTE = code(r'''
@@ -148,6 +151,8 @@ for eager in (True, False):
         act, flops, seconds = costs[(mode, eager)]
         print(f"  {mode:<9}: activations {act / 2**20:5.2f} MiB ({act / base_act:4.0%}), FLOPs/token {flops:>9,.0f} "
               f"(+{flops / base_flops - 1:5.1%}), forward+backward {1000 * seconds:5.1f} ms")
+added = costs[("selective", True)][1] - costs[("none", True)][1]
+print(f"selective adds {added:,.0f} FLOPs per token: QK^T once more, 2 x L x h x s = {2 * cfg.layers * h * s:,}")
 ''')
 
 PLAN_RECOMPUTE = code(r'''
@@ -216,8 +221,9 @@ of bytes per token**.
             LINEAR,
             md(r'''
 Doubling the micro-batch or the sequence doubles the activations, byte for byte. For a real model the
-per-token figure is large: every layer keeps tens of values per hidden unit per token, and the planner below
-puts the activations of one 8,192-token sequence of Llama 3 8B at tens of GiB, flash attention or not.
+per-token figure is large: the planner below puts Llama 3 8B (32 blocks of width 4096, in bf16) at 6.67 MiB
+per token with flash attention, so one 8,192-token sequence keeps 53.3 GiB of activations - and 181.3 GiB
+with eager attention.
 Exercise 1 writes this block's formula.
 '''),
         ]),
@@ -233,7 +239,7 @@ key. We measure PyTorch's own plain implementation (SDPA's math backend; no drop
             QUADRATIC,
             md(r'''
 The fused per-token figure stays flat; the eager one grows by a fixed amount for every position added. At
-$s = 256$ the attention probabilities are already most of the block's activations, and at real sequence
+$s = 256$ the attention probabilities are already most of the block's activations (64%), and at real sequence
 lengths they dominate everything. The planner, which counts the same tensors for any shape, shows it for
 Llama 3 8B:
 '''),
@@ -270,7 +276,7 @@ so the attention is included; times are best of three on this CPU):
 With eager attention, selective recomputation removes the quadratic term for the price of $QK^T$ once more
 ($2Lhs$ FLOPs per token: non-reentrant checkpointing stops as soon as the saved tensors are rebuilt, so $AV$ is
 not redone); full recomputation removes nearly everything, for a forward of every block again (the usual
-estimate is $8N$ instead of $6N$; here less, as the embedding and head are not recomputed and each block's
+estimate is $8N$ instead of $6N$, +33%; here +26.3%, as the embedding and head are not recomputed and each block's
 last matmul is not needed). With fused attention, selective has almost nothing left to remove -
 FlashAttention already recomputes the scores - so the choice is between none and full. Recomputation does
 not change the model FLOPs that MFU counts (Part 1): the extra forward is hardware work only.

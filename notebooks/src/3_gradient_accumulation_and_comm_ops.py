@@ -71,6 +71,9 @@ wide = nn.Sequential(nn.Linear(6, 1024), nn.Tanh(), nn.Linear(1024, 3))   # acti
 whole = saved_activation_bytes(wide, x, y)
 micro = saved_activation_bytes(wide, x[:2], y[:2])
 print(f"saved for backward, batch of 8: {whole:,} bytes; micro-batch of 2: {micro:,} bytes")
+per_sample = (whole - micro) // 6
+print(f"= {per_sample:,} bytes per sample + {micro - 2 * per_sample:,} bytes whatever the batch "
+      f"(the last layer's weight, 3 x 1024 x 4 bytes, kept for the gradient of its input)")
 ''')
 
 BROADCAST = code(r'''
@@ -329,9 +332,10 @@ micro-batch, not with the batch. Measured with autograd's saved-tensor hooks on 
 '''),
             GA_MEMORY,
             md(r'''
-The activation memory drops with the micro-batch size (the weights and the input-independent parts do not),
-and the price is time: the $k$ micro-batches run **one after another**, so a step takes $k$ forward/backward
-passes. Part 5 puts numbers on the trade-off between accumulation and more GPUs.
+The activation memory follows the micro-batch: 8,240 bytes per sample here, so a micro-batch of 2 keeps a
+quarter of what the batch of 8 keeps; only the 12,288 bytes of the weight that autograd also saves stay
+whatever the batch. The price is time: the $k$ micro-batches run **one after another**, so a step takes $k$
+forward/backward passes. Part 5 puts numbers on the trade-off between accumulation and more GPUs.
 '''),
         ]),
         Section("The collectives, on 4 real ranks", [

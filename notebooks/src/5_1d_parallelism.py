@@ -120,8 +120,11 @@ for gpus in (64, 128, 256, 512, 1024, 2048):
     c = found.by_time[0]
     t = c.time
     exposed = t.breakdown["dp_comm"]
+    nodes = gpus // H100.node_size  # the cluster's synchronization: node_pair_sync_s x nodes² per micro-batch
+    per_micro_batch = H100.node_pair_sync_s * nodes**2
     print(f"{gpus:5d} GPUs: MBS {c.layout.micro_batch} x GA {c.layout.grad_accum:2d}  step {t.step_s:5.2f} s  "
-          f"{t.tokens_per_s_per_gpu:6,.0f} tokens/s/GPU  exposed DP communication {exposed:.3f} s")
+          f"{t.tokens_per_s_per_gpu:6,.0f} tokens/s/GPU  exposed DP communication {exposed:.3f} s  "
+          f"sync {t.breakdown['sync']:.2f} s = GA x {per_micro_batch * 1e3:.0f} ms ({nodes} nodes)")
 ''')
 
 
@@ -237,10 +240,12 @@ planner's choice as the number of GPUs grows:
 Up to 512 GPUs, doubling the GPUs halves GA, but the step time falls by less each time; the data-parallel
 communication still hides behind each micro-batch's compute (0.000 s exposed). Throughput per GPU falls all
 the same, because every micro-batch also waits on synchronization that grows with the job: the planner's
-time model, calibrated on the playbook's measured runs, charges about 0.2 ms per pair of nodes per
-micro-batch (0.05 s at 16 nodes, 0.8 s at 64: the slowdown those runs show at scale, whatever the model
-size). Then the batch runs out. At 512 GPUs GA is already 1; at 1024 only MBS 1 is left, each GPU computes a single sequence per step,
-and the communication no longer hides behind it - throughput per GPU drops. At 2048 GPUs there is nothing
+time model, calibrated on the playbook's measured runs, charges 0.2 ms per pair of nodes (nodes²) per
+micro-batch - 51 ms at 16 nodes, 819 ms at 64 (the slowdown those runs show at scale, whatever the model
+size), about half of the 1.70 s step at 512 GPUs. Then the batch runs out. At 512 GPUs GA is already 1;
+at 1024 only MBS 1 is left and each GPU computes a single sequence per step: the synchronization at 128
+nodes (3.28 s) is most of the 3.83 s step, and the data-parallel communication no longer hides behind the
+compute (0.092 s exposed) - throughput per GPU drops to 1,070 tokens/s. At 2048 GPUs there is nothing
 to give the extra GPUs at all. Communication does not shrink with more replicas (every step still reduces
 the full gradients, over rings of more and more GPUs) while the compute that hides it does: that is the
 second limit of data parallelism, which the playbook measures on real clusters.

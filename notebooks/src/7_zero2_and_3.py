@@ -267,6 +267,9 @@ for zero in (1, 3):
 OFFLOAD_PLAN = code(r'''
 from ultrascale.plan.search import search
 
+host = gpu.offload_host  # the planner's hardware table: what offload moves over, and the CPU's optimizer runs at
+print(f"{gpu.gpu.name}, per GPU: PCIe {host.pcie_bandwidth / 1e9:.0f} GB/s to the host, HBM {gpu.hbm_bandwidth / 1e12:.2f} "
+      f"TB/s, host memory {host.memory_bandwidth / 1e9:.0f} GB/s")
 shape = get_shape("llama3-70b")
 pins = {"pp": 1, "cp": 1}  # 8 GPUs, one node, without pipeline or context parallelism
 plain = search(shape, 8, gpu, framework, 4096, 16 * 4096, "bf16", {**pins, "offload": "none"})
@@ -508,7 +511,7 @@ Past the point where memory stops shrinking, more GPUs still add throughput (mor
 far as the global batch allows: Part 5), but no memory headroom; for memory the next levers are activation
 recomputation (Part 2) and the parallelisms that shard activations and compute - tensor, sequence, context
 and pipeline parallelism, the next parts. ZeRO-3's own limit is time,
-not memory: every micro-batch all-gathers the whole model twice, and when a block's compute gets shorter
+not memory: every micro-batch all-gathers every block twice, and when a block's compute gets shorter
 than its all-gather (small micro-batches, slow links between nodes, thousands of GPUs adding latency
 steps), prefetching can no longer hide it.
 
@@ -541,8 +544,9 @@ The optimizer column drops to zero on the device and reappears on the host, $12\
 parameter on 2 ranks; with ZeRO-3 the bf16 parameter shard (1 byte per parameter) leaves as well. The
 gradients stay: they are produced on the device and copied over, segment by segment, during the step.
 
-The price is time: every step sends the gradients down and the parameters up over PCIe (about 50 GB/s per
-GPU, against 3 TB/s of HBM), and the CPU's AdamW runs at the host's memory bandwidth. So offload pays only
+The price is time: every step sends the gradients down and the parameters up over PCIe (50 GB/s per
+GPU, against 3.35 TB/s of HBM), and the CPU's AdamW runs at the host's memory bandwidth (46 GB/s per GPU):
+the planner's hardware table, printed below. So offload pays only
 where nothing else fits - and that is when the planner proposes it. Llama 3 70B on one node of 8 H100s,
 without pipeline or context parallelism:
 '''),

@@ -72,6 +72,7 @@ shards = on_ranks(WORLD, tp_shards)
 for name, shape in shards[0].items():
     if name.startswith("layers.0.") or not name.startswith("layers."):
         print(f"{name:32s} rank 0 {str(shape):11s} rank 1 {shards[1][name]}")
+print(f"llama3-8b's vocabulary: {get_preset('llama3-8b').vocab_size:,} logits per token")
 ''')
 
 ENGINE = code(r'''
@@ -81,8 +82,9 @@ MB, SEQ, STEPS = 2, 32, 2
 
 
 def config(tp):
+    # peak="1": MFU against a given ceiling; measuring this CPU's would add all-reduces of its own at start.
     return RunConfig(model=MODEL, parallel=ParallelConfig(dp=1, tp=tp),
-                     train=TrainConfig(steps=STEPS, seq_len=SEQ, micro_batch=MB, seed=5, progress=False))
+                     train=TrainConfig(steps=STEPS, seq_len=SEQ, micro_batch=MB, seed=5, peak="1", progress=False))
 
 
 def engine_run(cfg):
@@ -193,8 +195,8 @@ row-parallel with one $g$. The norms stay whole (replicated) and see the whole h
 
 The **embedding** is split over the vocabulary: each rank holds $V/t$ rows, looks up the tokens it owns,
 writes zeros for the others, and an all-reduce ($g$) assembles the embeddings. The **output head** is
-column-parallel over the vocabulary, and its logits stay split: gathering $[b, s, V]$ logits (128k
-columns for Llama 3) would cost far more than the loss needs. The **vocabulary-parallel cross-entropy**
+column-parallel over the vocabulary, and its logits stay split: gathering $[b, s, V]$ logits (128,256
+columns for Llama 3, printed below) would cost far more than the loss needs. The **vocabulary-parallel cross-entropy**
 needs three numbers per token from the whole vocabulary (the max, for stability; $\sum_j e^{z_j - \max}$;
 and the target's logit, from the rank that owns it), each an all-reduce of $[b, s]$ values. You write it in
 exercise 2. Here is what the engine's TP transform leaves on each of 2 ranks of our `tiny` model (the
@@ -216,7 +218,8 @@ stays whole on every rank. Part 9 removes that.
 Each rank also recorded the size of every `dist.all_reduce` the engine called. The $[b, s, h]$ ones are
 TP's: 4 per block (f and g of attention and MLP, forward and backward), plus the embedding's $g$ in forward
 and the head's $f$ in backward. The small ones are the loss's three per-token reductions ($[b, s]$ values:
-$2 \cdot 32 \cdot 4$ bytes) and the gradient norm of the sharded parameters. The volume per block does not
+$2 \cdot 32 \cdot 4$ = 256 bytes each) and the gradient norm of the sharded parameters (one fp32 value, 4
+bytes). The volume per block does not
 shrink as $t$ grows: 4 ring all-reduces send $8\frac{t-1}{t}\,bsh$ values per rank (4 bytes each in
 fp32, 2 in bf16), more as $t$ grows, while the compute per rank falls as $1/t$. That ratio is TP's limit.
 '''),

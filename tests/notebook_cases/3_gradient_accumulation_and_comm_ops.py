@@ -4,6 +4,7 @@ might write are in tests/course/test_part3_gradient_accumulation_and_comm_ops.py
 PRINTED = [
     "summed micro-batch gradients / one big batch:   4.000",
     "saved for backward, batch of 8: 78,208 bytes; micro-batch of 2: 28,768 bytes",
+    "= 8,240 bytes per sample + 12,288 bytes whatever the batch",
     "  rank 3: [31, 32, 33, 34]                 ->  [1, 2, 3, 4]",
     "  rank 0: [1, 2, 3, 4]                     ->  [64, 68, 72, 76]",
     "  rank 3: [31, 32]                         ->  [[1, 2], [11, 12], [21, 22], [31, 32]]",

@@ -12,6 +12,7 @@ PRINTED = [
     "  iteration 1: ['0.weight', '0.bias', '2.weight', '2.bias', '4.weight', '4.bias'] = 484 elements",
     "  iteration 2: ['4.bias', '4.weight', '2.bias', '2.weight'] = 340 elements | "
     "['0.bias', '0.weight'] = 144 elements",
+    "llama3-8b: 291 parameter tensors",
     "six Linear(256, 256), default caps (first bucket 1 MiB, then 25 MiB):",
     "  iteration 1: 12 tensors = 1.506 MiB",
     "  iteration 2: 8 tensors = 1.004 MiB | 4 tensors = 0.502 MiB",

@@ -17,7 +17,11 @@ PRINTED = [
           rel=FP32.loss_rtol),
     Close("DP 2 x MBS 2 x GA 2 = 8 sequences: losses 5.5829, 5.2560, 4.9662; activations 678,948 bytes per rank",
           rel=FP32.loss_rtol),
-    "  128 GPUs: MBS 2 x GA  4  step  3.74 s   8,756 tokens/s/GPU  exposed DP communication 0.000 s",
-    " 1024 GPUs: MBS 1 x GA  1  step  3.83 s   1,070 tokens/s/GPU  exposed DP communication 0.092 s",
+    "  128 GPUs: MBS 2 x GA  4  step  3.74 s   8,756 tokens/s/GPU  exposed DP communication 0.000 s  "
+    "sync 0.20 s = GA x 51 ms (16 nodes)",
+    "  512 GPUs: MBS 2 x GA  1  step  1.70 s   4,809 tokens/s/GPU  exposed DP communication 0.000 s  "
+    "sync 0.82 s = GA x 819 ms (64 nodes)",
+    " 1024 GPUs: MBS 1 x GA  1  step  3.83 s   1,070 tokens/s/GPU  exposed DP communication 0.092 s  "
+    "sync 3.28 s = GA x 3277 ms (128 nodes)",
     " 2048 GPUs: no layout - 1024 sequences cannot give every GPU a micro-batch",
 ]

@@ -28,6 +28,7 @@ PRINTED = [
     "ZeRO-1, offload cpu : device params  2.00  grads  4.00  optim  0.00 | host  6.00",
     "ZeRO-3, offload none: device params  1.00  grads  2.00  optim  6.00 | host  0.00",
     "ZeRO-3, offload cpu : device params  0.00  grads  2.00  optim  0.00 | host  7.00",
+    "h100-80gb, per GPU: PCIe 50 GB/s to the host, HBM 3.35 TB/s, host memory 46 GB/s",
     "llama3-70b on 8 x h100-80gb, no offload: 123 layouts, 0 fit",
     "the planner's answer: dp8 tp1 pp1 zero3 offload:cpu rc:full mbs2 ga1",
 ]
