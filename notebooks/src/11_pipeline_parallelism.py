@@ -15,6 +15,7 @@ import os
 import tempfile
 
 import torch
+from IPython.display import Image, display
 
 from ultrascale.config import ParallelConfig, RunConfig, TrainConfig
 from ultrascale.model import get_preset
@@ -22,7 +23,9 @@ from ultrascale.parallel.pipeline import draw
 from ultrascale.parallel.pipeline.partition import split
 from ultrascale.parallel.pipeline.schedules import build, schedule
 from ultrascale.parallel.pipeline.simulate import simulate
-from ultrascale.testing.compare import train_on, train_parallel
+from ultrascale.series.ranks import on_ranks
+from ultrascale.testing.compare import train_on
+from ultrascale.train.startup import check_run
 
 torch.set_num_threads(1)
 WORLD = 4                                   # 4 real processes (gloo, this CPU), one pipeline stage each
@@ -53,50 +56,97 @@ for name in ("afab", "1f1b"):
 ''')
 
 ENGINE = code(r'''
-def run(name, m, world=WORLD):
-    """Train 2 steps on `world` ranks with schedule `name` and m micro-batches of 2 sequences (one process
-    when world is 1: the whole batch at once); every rank's record, and the recorded timeline of step 2."""
+UNIT = 0.25   # seconds: what a stage's forward lasts in the paced step 2 (a backward: 2 units)
+
+
+def paced_training(cfg, unit):
+    """On each rank: train `cfg` with the engine, its last step paced. Each F of that step runs the
+    stage's real layers, then waits until it has lasted `unit`; each B, 2 units. The data and the
+    messages flow through the engine's pipeline runtime as ever; only the durations are fixed. Returns
+    the rank's record and the real compute time of each of its paced F and B (before the wait)."""
+    import contextlib
+    import re
+    import time
+
+    from ultrascale.parallel.pipeline import runtime
+    from ultrascale.testing.compare import RunRecord
+    from ultrascale.testing.harness import worker_context
+    from ultrascale.train.trainer import run_training
+
+    cost = {"F": unit, "B": 2 * unit}
+    span, run_step, steps, computed = runtime.span, runtime.PipelineRuntime.run, [0], {"F": [], "B": []}
+
+    @contextlib.contextmanager
+    def paced(name):          # the runtime runs every action inside span("pp:<action>")
+        kind = re.match(r"pp:([A-Z_]+)\d", name)
+        start = time.perf_counter()
+        with span(name):
+            yield
+        if kind and kind.group(1) in cost:
+            computed[kind.group(1)].append(time.perf_counter() - start)
+            time.sleep(max(0.0, start + cost[kind.group(1)] - time.perf_counter()))
+
+    def step(self, micro_batches):
+        steps[0] += 1
+        runtime.span = paced if steps[0] == cfg.train.steps else span
+        return run_step(self, micro_batches)
+
+    runtime.PipelineRuntime.run = step
+    try:
+        return RunRecord.of(run_training(cfg, worker_context(cfg.parallel))), computed
+    finally:               # the processes are reused: leave the engine as it was
+        runtime.span, runtime.PipelineRuntime.run = span, run_step
+
+
+def run(name, m, world=WORLD, unit=UNIT):
+    """Train 2 steps on `world` ranks with schedule `name` and m micro-batches of 2 sequences, step 2 paced
+    at `unit` (one process when world is 1: the whole batch at once); every rank's record, the recorded
+    timeline of step 2, and the real compute time of its F and B on every rank."""
     trace = os.path.join(TRACES, f"{name}_{m}.json") if world > 1 else ""
     parallel = ParallelConfig(pp=world, pp_schedule=name) if world > 1 else ParallelConfig()
     train = TrainConfig(steps=2, seq_len=128, micro_batch=2 if world > 1 else 2 * m, grad_accum=m if world > 1 else 1,
                         seed=3, progress=False, pp_trace=trace)
-    cfg = RunConfig(model=MODEL, parallel=parallel, train=train)
-    records = train_parallel(cfg, world) if world > 1 else [train_on(cfg, 1)]
-    spans = None
-    if trace:
-        ranks = draw.read_trace(trace)["ranks"]
-        spans = [[(x["action"], x["kind"], x["start"], x["end"]) for x in rank] for rank in ranks]
-    return records, spans
+    cfg = check_run(RunConfig(model=MODEL, parallel=parallel, train=train), world)
+    if world == 1:
+        return [train_on(cfg, 1)], None, None
+    ranks = on_ranks(world, paced_training, cfg, unit)
+    computed = {kind: [t for _, times in ranks for t in times[kind]] for kind in "FB"}
+    spans = [[(x["action"], x["kind"], x["start"], x["end"]) for x in rank] for rank in draw.read_trace(trace)["ranks"]]
+    return [record for record, _ in ranks], spans, computed
 
 
 M = 8
-single, _ = run("1f1b", M, world=1)
+single, _, _ = run("1f1b", M, world=1)
 print("one process     :", " ".join(f"{x:.6f}" for x in single[0].losses))
 results = {}
 for name in ("afab", "1f1b"):
-    records, spans = run(name, M)
-    results[name] = (records, spans)
+    results[name] = records, _, _ = run(name, M)
     worst = max(abs(a - b) / b for a, b in zip(records[0].losses, single[0].losses))
     print(f"pp = 4, {name:4s}  : " + " ".join(f"{x:.6f}" for x in records[0].losses)
           + f"   (worst relative difference {worst:.1e})")
 ''')
 
 BUBBLE = code(r'''
-def mean_durations(spans):
-    """Mean F and B time over every rank of a recorded step (seconds)."""
-    f = [e - s for rank in spans for _, kind, s, e in rank if kind == "F"]
-    b = [e - s for rank in spans for _, kind, s, e in rank if kind == "B"]
-    return sum(f) / len(f), sum(b) / len(b)
+def mean_ms(times):
+    return 1e3 * sum(times) / len(times)
 
 
 p = WORLD
+charts = []
 for name in ("afab", "1f1b"):
-    spans = results[name][1]
-    t_f, t_b = mean_durations(spans)
+    _, spans, computed = results[name]
+    lasted = {kind: [e - s for rank in spans for _, k, s, e in rank if k == kind] for kind in "FB"}
+    # The simulator at the paced costs: F = UNIT, B = 2 UNIT on every stage.
+    sim = simulate(schedule(name, p, M), p, t_f=UNIT, t_b=2 * UNIT, t_w=0.0)
     measured = draw.measured_bubble_ratio(spans)
-    sim = simulate(schedule(name, p, M), p, t_f=t_f, t_b=t_b, t_w=0.0)
-    print(f"{name:4s}: mean F {1e3 * t_f:.1f} ms, B {1e3 * t_b:.1f} ms; bubble ratio measured {measured:.3f}, "
-          f"simulated with these costs {sim.bubble_ratio:.3f}, formula (p - 1)/m = {(p - 1) / M:.3f}")
+    print(f"{name:4s}: bubble ratio simulated {sim.bubble_ratio:.3f}, measured {measured:.3f}, "
+          f"formula (p - 1)/m = {(p - 1) / M:.3f}   (mean F {mean_ms(lasted['F']):.0f} ms, B {mean_ms(lasted['B']):.0f} ms; "
+          f"their real compute {mean_ms(computed['F']):.1f} and {mean_ms(computed['B']):.1f} ms)")
+    for label, drawn, ratio in (("simulated", draw.spans_from_timeline(sim), sim.bubble_ratio),
+                                ("recorded", spans, measured)):
+        charts.append(os.path.join(TRACES, f"{name}_{label}.png"))
+        draw.draw(drawn, f"{name}, pp = 4, m = {M}: {label}, bubble {ratio:.3f}", charts[-1])
+display(*(Image(filename=chart) for chart in charts))
 ''')
 
 SWEEP = code(r'''
@@ -109,7 +159,7 @@ for m in (4, 8, 16, 32, 64):
 MEMORY = code(r'''
 # Activations each stage held at its peak (the engine's meter: bytes saved for backward, summed over the
 # micro-batches in flight), in units of one micro-batch: a run with m = 1 measures one on each stage.
-one, _ = run("1f1b", 1)
+one, _, _ = run("1f1b", 1, unit=0.0)       # not paced: only the bytes count here
 per_micro = [r.memory[-1]["activations"] for r in one]
 print(f"one micro-batch: {[f'{x / 2**20:.2f} MiB' for x in per_micro]} per rank")
 for name in ("afab", "1f1b"):
@@ -130,7 +180,7 @@ EPISODE = Episode(
         "The naive split: consecutive layers on each GPU, one micro-batch at a time, every other stage idle",
         "Schedules as lists of actions: all-forward-all-backward (AFAB, GPipe) and one-forward-one-backward (1F1B)",
         "The engine trains on 4 real stages with each schedule: the same losses as one process",
-        "The bubble (p - 1)/m measured from the engine's recorded timeline, against its simulator and the formula",
+        "The bubble (p - 1)/m measured from the engine's recorded timeline on paced stages, against its simulator and the formula",
         "Activation memory in flight: AFAB holds all m micro-batches, 1F1B at most p - stage; measured",
     ],
     references=[
@@ -188,14 +238,22 @@ every rank idles $(p-1)(t_F + t_B)$ in total, the **bubble**. Over the compute t
 $$r_{\text{bubble}} = \frac{(p-1)(t_F + t_B)}{m\,(t_F + t_B)} = \frac{p-1}{m}$$
 
 The same for AFAB and 1F1B: 1F1B moves the backwards earlier, it does not remove the fill and drain.
-Below, the engine's recorded timeline of step 2 on 4 processes, against the engine's simulator played with
-the mean F and B times measured in that step, and the formula. On this CPU four processes share the cores
-with each other (and with anything else running), so measured times are noisy and stretch where several
-ranks compute at once, which the simulator does not model. With a GPU per stage that contention is gone,
-and what the measurement adds to the simulation is mostly the time of the point-to-point messages.
+Below, the engine's recorded timeline of step 2 on 4 processes, against the engine's simulator and the
+formula. Four processes on this CPU's few cores, shared with whatever else runs, stretch each other's
+compute wherever several ranks compute at once: a recorded timeline would show that contention, not the
+schedule. So step 2 is **paced**: every F runs the stage's real layers and then waits until it has lasted
+`UNIT` seconds (every B twice that), while the activations and gradients travel in the engine's real
+messages. Waiting costs no CPU, so the ranks no longer compete, and each stage's compute takes a fixed
+time, as on a GPU per stage: the time the simulator is given. For each schedule, the simulator's Gantt
+chart and the engine's recorded one (forwards blue, backwards green, idle time blank):
 '''),
             BUBBLE,
             md(r'''
+Measured and simulated agree within a few hundredths, and the simulator gives the formula exactly: what
+the measurement adds is the time of the messages and of waking a waiting process. The real compute of an
+action, printed last, is a few milliseconds for this tiny model: pacing makes every action far longer
+than that, so that the schedule, not the load of the machine, shapes the timeline.
+
 The only lever in the formula is $m$: more micro-batches per step (a larger global batch, or smaller
 micro-batches) make the fill and drain a smaller part of the step.
 '''),

@@ -132,7 +132,8 @@ def paced_training(cfg, unit):
     (F, B, I, W) runs the real layers, then waits until it has lasted its planned time: `unit` for a
     stage's F, I or W, 2 units for a full B, a v-th of that for a chunk. The data and the real messages
     flow through the engine's pipeline runtime as ever; only the durations are fixed, so the 4
-    processes sharing this CPU's cores do not stretch each other's compute."""
+    processes sharing this CPU's cores do not stretch each other's compute. Returns the rank's record
+    and the real compute time of each of its paced actions (before the wait), by kind."""
     import contextlib
     import re
     import time
@@ -144,7 +145,7 @@ def paced_training(cfg, unit):
 
     v = 2 if cfg.parallel.pp_schedule == "dualpipev" else cfg.parallel.pp_chunks
     cost = {"F": unit / v, "I": unit / v, "W": unit / v, "B": 2 * unit / v}
-    span, run_step, steps = runtime.span, runtime.PipelineRuntime.run, [0]
+    span, run_step, steps, computed = runtime.span, runtime.PipelineRuntime.run, [0], {kind: [] for kind in cost}
 
     @contextlib.contextmanager
     def paced(name):          # the runtime runs every action inside span("pp:<action>")
@@ -153,6 +154,7 @@ def paced_training(cfg, unit):
         with span(name):
             yield
         if kind and kind.group(1) in cost:
+            computed[kind.group(1)].append(time.perf_counter() - start)
             time.sleep(max(0.0, start + cost[kind.group(1)] - time.perf_counter()))
 
     def step(self, micro_batches):
@@ -162,28 +164,28 @@ def paced_training(cfg, unit):
 
     runtime.PipelineRuntime.run = step
     try:
-        return RunRecord.of(run_training(cfg, worker_context(cfg.parallel)))
+        return RunRecord.of(run_training(cfg, worker_context(cfg.parallel))), computed
     finally:               # the processes are reused: leave the engine as it was
         runtime.span, runtime.PipelineRuntime.run = span, run_step
 
 
 def run(name, v, world=WORLD):
     """Train 2 steps on `world` ranks, step 2 paced (one process when world is 1, not paced); every
-    rank's record and the recorded timeline of step 2."""
+    rank's record, the recorded timeline of step 2, and the real compute time of its actions by kind."""
     trace = os.path.join(OUT, f"{name}.json") if world > 1 else ""
     parallel = ParallelConfig(pp=world, pp_schedule=name, pp_chunks=v) if world > 1 else ParallelConfig()
     train = TrainConfig(steps=2, seq_len=128, micro_batch=2 if world > 1 else 2 * M,
                         grad_accum=M if world > 1 else 1, seed=3, progress=False, pp_trace=trace)
     cfg = check_run(RunConfig(model=MODEL, parallel=parallel, train=train), world)
-    records = on_ranks(world, paced_training, cfg, UNIT) if world > 1 else [train_on(cfg, 1)]
-    spans = None
-    if trace:
-        ranks = draw.read_trace(trace)["ranks"]
-        spans = [[(x["action"], x["kind"], x["start"], x["end"]) for x in rank] for rank in ranks]
-    return records, spans
+    if world == 1:
+        return [train_on(cfg, 1)], None, None
+    ranks = on_ranks(world, paced_training, cfg, UNIT)
+    computed = {kind: [t for _, times in ranks for t in times[kind]] for kind in "FBIW"}
+    spans = [[(x["action"], x["kind"], x["start"], x["end"]) for x in rank] for rank in draw.read_trace(trace)["ranks"]]
+    return [record for record, _ in ranks], spans, computed
 
 
-single, _ = run("1f1b", 1, world=1)
+single, _, _ = run("1f1b", 1, world=1)
 print("one process        :", " ".join(f"{x:.6f}" for x in single[0].losses))
 results = {}
 for name, v in RUNS.items():
@@ -217,19 +219,21 @@ explorer = pipeline_explorer(schedule="1f1b", p=4, m=8, v=2)
 ''')
 
 BUBBLE = code(r'''
-def mean(spans, kind):
-    times = [e - s for rank in spans for _, k, s, e in rank if k == kind]
-    return sum(times) / len(times) if times else 0.0
+def mean_ms(times):
+    return 1e3 * sum(times) / len(times)
 
 
 for name, v in RUNS.items():
-    records, spans = results[name]
+    records, spans, computed = results[name]
     # The simulator at the paced costs: F = I = W = UNIT per stage, a chunk a v-th of it.
     sim = simulate(schedule(name, WORLD, M, v), WORLD, v, t_f=UNIT / v, t_b=UNIT / v, t_w=UNIT / v,
                    vshape=name == "dualpipev")
-    took = ", ".join(f"{kind} {1e3 * mean(spans, kind):.0f} ms" for kind in "FBIW" if mean(spans, kind))
+    lasted = {kind: [e - s for rank in spans for _, k, s, e in rank if k == kind] for kind in "FBIW"}
+    step = max(e for rank in spans for *_, e in rank) - min(s for rank in spans for _, _, s, _ in rank)
+    took = ", ".join(f"{kind} {mean_ms(lasted[kind]):.0f} ms" for kind in "FBIW" if lasted[kind])
+    real = ", ".join(f"{kind} {mean_ms(computed[kind]):.1f}" for kind in "FBIW" if computed[kind])
     print(f"{name:11s}: bubble simulated {sim.bubble_ratio:.3f}, measured {draw.measured_bubble_ratio(spans):.3f}"
-          f"   (mean {took})")
+          f"   (mean {took}; computing {real} ms; step {1e3 * (step - sim.makespan):.0f} ms longer than simulated)")
 for name, v in RUNS.items():
     acts = [f"{r.memory[-1]['activations'] / 2**20:.1f}" for r in results[name][0]]
     print(f"{name:11s}: peak activations per rank {acts} MiB")
@@ -371,11 +375,12 @@ input gradients green, weight gradients red), idle time blank.
             GANTT,
             md(r'''
 The bubble of each recorded step beside the simulator's at the paced costs (the mean duration of each
-kind of action shows the pacing held), then the activations each rank held at its peak (the engine's
-meter, from F to B or I). Measured and simulated agree within a few hundredths: what the measurement adds
-is the time of the messages and of waking a waiting process, a few milliseconds per hop against
-`UNIT` = 250 ms. That is also the price interleaving pays $v$ times over: with real chunks of a few
-milliseconds, as this tiny model's unpaced, the messages would weigh as much as the compute, so interleave
+kind of action shows the pacing held; "computing" is the part of it the real layers took), then the
+activations each rank held at its peak (the engine's meter, from F to B or I). Measured and simulated
+agree within a few hundredths: what the measurement adds, the tens of milliseconds by which each step
+outlasts the simulated one, is the time of the messages and of waking a waiting process, small against
+`UNIT` = 250 ms. That is also the price interleaving pays $v$ times over: with the real chunks of a few
+milliseconds printed as "computing", the messages would weigh as much as the compute, so interleave
 only where a chunk's compute is large against a message. Its memory price shows on every rank: more
 activations held than under 1F1B.
 '''),

@@ -160,12 +160,13 @@ counted from their shapes as they were trained:
             SIZES,
             md(r'''
 The counts match what was published, and where they seem not to, the published figure counts something
-else. DeepSeek-V3's 671 B leaves out its multi-token-prediction module (14 B more, used in training only),
-as this count does; its 37 B active is the count without the input embedding (of which a token reads one
-row and multiplies nothing), 36.6 B, rounded. Qwen3-30B-A3B's 3.3 B active is 3.35 B to one decimal,
-cut rather than rounded. The engine's presets of the same names are what the engine builds of them
-(grouped-query attention in place of DeepSeek's MLA, heads of hidden / heads wide, every block MoE):
-close in total, not equal, and this notebook trains only the small `tiny-moe`.
+else. DeepSeek-V3's 671 B leaves out its multi-token-prediction module, used in training only (DeepSeek's
+README gives 685 B with it: 14 B more), as this count does; its 37 B active is the count without the
+input embedding (of which a token reads one row and multiplies nothing), 36.6 B, rounded. Qwen3-30B-A3B's
+3.3 B active is 3.35 B to one decimal, cut rather than rounded. The engine's presets of the same names
+are what the engine builds of them (grouped-query attention in place of DeepSeek's MLA, heads of
+hidden / heads wide, every block MoE): close in total, not equal, and this notebook trains only the small
+`tiny-moe`.
 '''),
         ]),
         Section("The router", [

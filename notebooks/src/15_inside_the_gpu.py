@@ -185,11 +185,16 @@ def gpu_time(fn, repeats=10):
     return start.elapsed_time(end) / repeats / 1e3
 
 
+outputs = {}
 for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION):
     with sdpa_kernel(backend):
         torch.cuda.reset_peak_memory_stats()
         t = gpu_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         print(f"{backend.name:16s}: {t * 1e3:.3f} ms, peak memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+        outputs[backend] = F.scaled_dot_product_attention(q, k, v, is_causal=True).float()
+difference = (outputs[SDPBackend.FLASH_ATTENTION] - outputs[SDPBackend.MATH]).abs().max().item()
+largest = outputs[SDPBackend.MATH].abs().max().item()
+print(f"flash against math: max |difference| {difference:.1e}, on outputs of up to {largest:.2f} in bf16")
 
 # Many small kernels: launch overhead dominates; a CUDA graph replays them all at once.
 small = torch.randn(256, device=dev)
@@ -202,7 +207,8 @@ torch.cuda.current_stream().wait_stream(side)
 g = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g):
     static_out = chain(small)
-print(f"chain of 5 tiny kernels: eager {gpu_time(lambda: chain(small)) * 1e6:.1f} us, "
+launched = gpu_time(lambda: chain(small))
+print(f"chain of 5 tiny kernels: eager {launched * 1e6:.1f} us ({launched / 5 * 1e6:.1f} us a kernel), "
       f"CUDA graph replay {gpu_time(g.replay) * 1e6:.1f} us")
 ''', needs_gpu=True)
 
@@ -300,16 +306,18 @@ step runs the fused kernels. Eager and compiled on the tiny model, measured here
 On a CPU and a model this small the gain is small, often within the noise of a shared machine: the
 step is dominated by the matmuls, the optimizer and Python overhead, none of which the compiled
 block changes (`docs/benchmarks.md` measures about 1.1x on the `small` model). On a GPU the fused norms,
-activations and residual adds save HBM traffic and kernel launches, which is where compilation pays. Compilation costs
-seconds to minutes, paid once per run (and cached on disk across runs).
+activations and residual adds save HBM traffic and kernel launches, which is where compilation pays.
+Compilation is paid once per run, in the first step (above: with Inductor's on-disk cache empty it takes
+longer, 7 s for this block in `docs/benchmarks.md`, and minutes for a large model).
 '''),
         ]),
         Section("On a GPU", [
             md(r'''
 Two things only a GPU shows. `F.scaled_dot_product_attention` dispatches to the FlashAttention kernel
-(bf16/fp16 on Ampere and later): same result as the math backend, no $s \times s$ matrix in memory. And
-**CUDA graphs** record a sequence of kernel launches once and replay it with one call, removing the
-CPU's launch overhead (a few microseconds per kernel) that dominates when kernels are small;
+(bf16/fp16 on Ampere and later): the math backend's result up to rounding (the cell prints the largest
+difference), no $s \times s$ matrix in memory. And **CUDA graphs** record a sequence of kernel launches
+once and replay it with one call, removing the CPU's launch overhead (a few microseconds per kernel,
+timed below) that dominates when kernels are small;
 `torch.compile(mode="reduce-overhead")` uses them. The cell below runs only where CUDA is available:
 '''),
             GPU_CELL,

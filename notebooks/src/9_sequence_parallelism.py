@@ -105,7 +105,7 @@ def engine_run(cfg):
 
     def counted(name, fn, which):  # which: the argument whose size is the whole [b, s, h] tensor
         def wrapped(*args, **kwargs):
-            calls.append((name, args[which].numel() * args[which].element_size()))
+            calls.append((name, args[which].numel() * args[which].element_size(), tuple(args[which].shape)))
             return fn(*args, **kwargs)
         return wrapped
 
@@ -133,12 +133,12 @@ VOLUME = code(r'''
 activation = MB * SEQ * MODEL.hidden * 4  # one whole [b, s, h] fp32 tensor
 share = (WORLD - 1) / WORLD               # a ring all-gather or reduce-scatter sends (t-1)/t of it per rank
 for sp in (False, True):
-    calls = collections.Counter(name for name, size in runs[sp][2] if size == activation)
+    calls = collections.Counter(name for name, size, _ in runs[sp][2] if size == activation)
     sent = sum(n * (2 if name == "all-reduce" else 1) * share * activation for name, n in calls.items())
     print(f"tp = 2{' + sp' if sp else '     '}: per step {', '.join(f'{n // STEPS} {name}s' for name, n in calls.items())}"
           f" of [b, s, h]; sent per rank {sent / STEPS:,.0f} B")
-small = collections.Counter(size for name, size in runs[True][2] if name == "all-reduce")
-print("tp = 2 + sp, the small all-reduces per step (bytes: count):", {k: v // STEPS for k, v in sorted(small.items())})
+small = collections.Counter(shape for name, size, shape in runs[True][2] if name == "all-reduce" and size < activation)
+print(f"tp = 2 + sp, the small all-reduces of the run's {STEPS} steps (shape: count):", dict(sorted(small.items())))
 ''')
 
 PER_BLOCK = code(r'''
@@ -179,20 +179,20 @@ activations *inside* those regions. Between them, the norms and the residual add
 models that use it) need the whole hidden vector of each token, so under TP every rank runs them on the
 whole $[b, s, h]$ tensor and keeps the same copy of their activations. Below, the tensors block 0 of the
 engine's model keeps for backward on rank 0 of 2 ($b = 1$, $s = 24$, $h = 64$, $f = 192$). Under plain TP
-six tensors are whole on every rank: each norm's fp32 input and $x \cdot \mathrm{rstd}$ ($[1, 24, 64]$,
-with its `rstd`, $[1, 24, 1]$) and the two norm outputs ($[24, 64]$, as the linears see them); q, k, v
-($[1, \text{heads}/t, 24, 8]$), the logsumexp, the attention output ($[24, h/t = 32]$) and the MLP's four
-$f/t = 96$-wide tensors are split.
+eight tensors are whole on every rank: each norm's fp32 input and $x \cdot \mathrm{rstd}$ ($[1, 24, 64]$)
+with its `rstd` ($[1, 24, 1]$), and the two norm outputs ($[24, 64]$, as the linears see them); q
+($[1, \text{heads}/t, 24, 8]$), k and v ($[1, \text{kv heads}/t, 24, 8]$), the logsumexp, the attention
+output ($[24, h/t = 32]$) and the MLP's four $f/t = 96$-wide tensors are split.
 '''),
             SETUP,
             SAVED,
             md(r'''
 These ops act on **each token alone**. So they can run on a shard of the *sequence*: rank $i$ keeps
 positions $i\frac{s}{t} \dots (i+1)\frac{s}{t} - 1$. That is **sequence parallelism (SP)** (Korthikanti
-et al., 2022): with `--sp`, the norms' tensors become $[1, 12, 64]$. The norm outputs do not shrink: they are the
+et al., 2022): with `--sp`, the norms' tensors become $[1, 12, 64]$ (and $[1, 12, 1]$). The norm outputs do not shrink: they are the
 inputs of the column-parallel linears, which need the whole sequence (below). Megatron keeps only the shard of that
-input and all-gathers it again in backward; our engine keeps the gathered copy, trading $4h$ bytes per
-token and linear for one all-gather less.
+input and all-gathers it again in backward; our engine keeps the gathered copy, trading
+$(1 - 1/t) \cdot 4h$ bytes per token for each of the two norm outputs for one all-gather less.
 '''),
         ]),
         Section("All-gather in, reduce-scatter out", [
@@ -229,8 +229,9 @@ recorded the collectives the engine called (by wrapping them in the process befo
             ENGINE,
             md(r'''
 Every all-reduce of a $[b, s, h]$ activation became one all-gather and one reduce-scatter, and the bytes
-per rank are equal. The small all-reduces under SP are the loss's three per-token reductions, the
-gradient norm, and the new one: the 5 norm weights' gradients ($h$ fp32 values each).
+per rank are equal. The small all-reduces under SP are, per step, the loss's three per-token reductions
+($[b, s]$), the gradient norm (one value) and the new one: the 5 norm weights' gradients ($h$ fp32 values
+each); and, once per run, one value at start-up (the ranks agreeing on a cached peak FLOP/s).
 '''),
             VOLUME,
         ]),

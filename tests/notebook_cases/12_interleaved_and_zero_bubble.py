@@ -35,4 +35,7 @@ PRINTED = [
     agrees("interleaved", 0.1875),
     agrees("zero-bubble", 0.125),
     agrees("dualpipev", 0.0625),
+    # the real compute of each paced action, and what the messages added to the step (timings: not pinned)
+    "; computing F ",
+    "ms longer than simulated)",
 ]
