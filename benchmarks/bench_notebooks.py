@@ -1,5 +1,7 @@
 """Each notebook of the course, Run All as a learner runs it: wall time from the kernel's start to the
-last cell, on this machine (the course's promise: every Part in 20 s or less on 2 cores).
+last cell, on this machine (the course's promise: every Part in 45 s or less on 2 cores; Parts 11
+and 12 spend most of theirs in paced pipeline steps, each action waiting out a fixed 250 ms so that the
+measured bubble is the schedule's, not the shared cores').
 
     python benchmarks/bench_notebooks.py [--repeats 2] [--json OUT.json] [notebooks/4_*.ipynb ...]
 
@@ -22,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import command_line, machine_info  # noqa: E402
 
-LIMIT_S = 20.0
+LIMIT_S = 45.0
 
 
 def _order(path: str) -> int:
