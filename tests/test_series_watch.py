@@ -137,7 +137,8 @@ def test_ranks_blocked_in_calls_that_answer_each_other_are_slow_not_deadlocked(t
     _status(tmp_path, 1, 60, "recv<0:16 recv from rank 0, 16 B")
     assert stalled(str(tmp_path), [0, 1], 2) is None
     _status(tmp_path, 1, 60, "send>0:16 send to rank 0, 16 B")
-    assert stalled(str(tmp_path), [0, 1], 2) == "rank 0 waits in send to rank 1, 16 B; rank 1 waits in send to rank 0, 16 B"
+    assert stalled(str(tmp_path), [0, 1], 2) == ("rank 0 waits in send to rank 1, 16 B; "
+                                                 "rank 1 waits in send to rank 0, 16 B")
     # Blocked for less than STALL, computing, or a line half written: not yet a deadlock.
     _status(tmp_path, 1, 1, "send>0:16 send to rank 0, 16 B")
     assert stalled(str(tmp_path), [0, 1], 2) is None
