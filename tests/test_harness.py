@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ultrascale.testing.harness import DistributedError, WorkerPool
+from ultrascale.testing.harness import DistributedError, WorkerPool, run_distributed
 
 
 def _rank_times(x):
@@ -70,6 +70,20 @@ def test_an_unpicklable_result_or_a_dead_rank_fails_fast():
         pool.close(kill=True)
 
 
+
+def _says_after_a_while(word):
+    time.sleep(1.5)
+    return word
+
+
+def _interrupt(pending):
+    raise KeyboardInterrupt  # as a notebook's stop button interrupts the wait
+
+
+def test_a_run_interrupted_in_the_caller_leaves_no_results_for_the_next_run():
+    with pytest.raises(KeyboardInterrupt):
+        run_distributed(2, _says_after_a_while, "old", stalled=_interrupt)
+    assert run_distributed(2, _says_after_a_while, "new") == ["new", "new"]
 
 # A process that starts a pool, says who serves it, then waits to be killed: no shutdown, no atexit.
 _OWNER = """

@@ -3,12 +3,14 @@ and a deadlock said as such, naming the rank and the call it waits in."""
 
 import linecache
 import textwrap
+import time
 
 import pytest
 import torch.distributed as dist
 
 from ultrascale.series.ranks import RankError, on_ranks
-from ultrascale.series.watch import Call, kinds, sent
+from ultrascale.series import watch
+from ultrascale.series.watch import Call, kinds, sent, stalled
 from ultrascale.testing.harness import run_distributed
 
 
@@ -93,3 +95,77 @@ def one_rank_raises():
 def test_a_rank_that_raised_is_reported_not_the_wait_it_caused_on_the_others():
     with pytest.raises(RankError, match=r"^KeyError: 'no such expert' \(rank 0 of 2\)"):
         on_ranks(2, RAISES["one_rank_raises"], timeout=200)
+
+
+FUNCTIONAL = notebook('''
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+def functional():
+    x = funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD)            # the API torch now points to
+    gathered = funcol.all_gather_single(torch.ones(2), 0, [0, 1])
+    return x.sum().item() + gathered.sum().item()
+''')
+
+
+def test_the_functional_collectives_are_recorded_as_the_kinds_they_do():
+    calls = []
+    assert on_ranks(2, FUNCTIONAL["functional"], calls=calls) == [12.0, 12.0]
+    for mine in calls:
+        assert mine == [Call("all_reduce", (0, 1), 16, "SUM"), Call("all_gather_into_tensor", (0, 1), 8)]
+
+
+def _status(tmp_path, rank, seconds_ago, line):
+    (tmp_path / f"rank{rank}").write_text(f"{time.time() - seconds_ago} {line}" if line else "")
+
+
+def test_ranks_blocked_in_calls_that_answer_each_other_are_slow_not_deadlocked(tmp_path):
+    # All four in the same all-reduce for a minute (a big tensor on a loaded machine): it is moving.
+    for rank in range(4):
+        _status(tmp_path, rank, 60, "all_reduce@0,1,2,3#2:64 all_reduce SUM over ranks [0, 1, 2, 3], 64 B")
+    assert stalled(str(tmp_path), [0, 1, 2, 3], 4) is None
+    # The same collective, but rank 3 in the next one: none of them can complete.
+    _status(tmp_path, 3, 60, "all_reduce@0,1,2,3#3:64 all_reduce SUM over ranks [0, 1, 2, 3], 64 B")
+    assert stalled(str(tmp_path), [0, 1, 2, 3], 4).startswith("rank 0 waits in all_reduce SUM")
+    # A size that differs is no match either; nor is a collective that a returned rank never joins.
+    _status(tmp_path, 3, 60, "all_reduce@0,1,2,3#2:32 all_reduce SUM over ranks [0, 1, 2, 3], 32 B")
+    assert stalled(str(tmp_path), [0, 1, 2, 3], 4) is not None
+    assert stalled(str(tmp_path), [0, 1, 2], 4).endswith("rank 3 had returned")
+    # A send whose recv is posted moves; two ranks both sending to each other do not.
+    _status(tmp_path, 0, 60, "send>1:16 send to rank 1, 16 B")
+    _status(tmp_path, 1, 60, "recv<0:16 recv from rank 0, 16 B")
+    assert stalled(str(tmp_path), [0, 1], 2) is None
+    _status(tmp_path, 1, 60, "send>0:16 send to rank 0, 16 B")
+    assert stalled(str(tmp_path), [0, 1], 2) == ("rank 0 waits in send to rank 1, 16 B; "
+                                                 "rank 1 waits in send to rank 0, 16 B")
+    # Blocked for less than STALL, computing, or a line half written: not yet a deadlock.
+    _status(tmp_path, 1, 1, "send>0:16 send to rank 0, 16 B")
+    assert stalled(str(tmp_path), [0, 1], 2) is None
+    _status(tmp_path, 1, 0, "")
+    assert stalled(str(tmp_path), [0, 1], 2) is None
+    (tmp_path / "rank1").write_text(f"{time.time() - 60:.3f}")
+    assert stalled(str(tmp_path), [0, 1], 2) is None
+
+
+SLOW = notebook('''
+import torch
+import torch.distributed as dist
+
+def slow_but_live():
+    rank = dist.get_rank()
+    big, part = torch.zeros(1 << 24), torch.zeros(1 << 22)
+    for _ in range(60):                                        # seconds, spent inside the calls
+        dist.all_reduce(big)                                   # both ranks in the same call
+        if rank == 0:
+            dist.send(part, 1)                                 # a send and the recv that takes it
+        else:
+            dist.recv(part, 0)
+    return big.sum().item()
+''')
+
+
+def test_a_slow_collective_is_not_called_a_deadlock(monkeypatch):
+    # The calls here outlast a stall of a millisecond each time the pool asks, and none is a deadlock.
+    monkeypatch.setattr(watch, "STALL", 0.001)
+    assert on_ranks(2, SLOW["slow_but_live"], timeout=200) == [0.0, 0.0]

@@ -192,6 +192,17 @@ def ring_all_reduce(t):
         dist.recv(buf, left)
         chunks[into].copy_(buf)
 '''),
+    (2, "goes round the ring but sums with a functional all-reduce", "a collective does the communication", '''
+def ring_all_reduce(t):
+    import torch.distributed._functional_collectives as funcol
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    chunks = list(t.tensor_split(world))
+    for step in range(2 * (world - 1)):
+        buf = torch.empty_like(chunks[(rank - step - 1) % world])
+        exchange(chunks[(rank - step) % world].clone(), buf, right, left)
+    t.copy_(funcol.all_reduce(t, "sum", dist.group.WORLD))
+'''),
 ]
 
 RIGHT = [  # (exercise, label, answer source): unusual but right

@@ -225,6 +225,11 @@ def overlapped_data_parallel(model, x, y, loss_fn):
         p.grad.div_(world)
         dist.all_reduce(p.grad)
 ''')),
+    (1, "asynchronous all-reduce waited for in the hook", "waited for in the hook that started it", _hooked('''
+    def on_grad_ready(p):
+        p.grad.div_(world)
+        dist.all_reduce(p.grad, async_op=True).wait()
+''')),
     (1, "divides by a count still zero", "a NaN or an infinity in rank 0's gradients", '''
 def overlapped_data_parallel(model, x, y, loss_fn):
     world = dist.get_world_size()
@@ -378,6 +383,24 @@ def overlapped_data_parallel(model, x, y, loss_fn):
 ]
 
 RIGHT = [  # (exercise, label, answer source): unusual but right
+    (1, "one all-reduce in flight: each hook waits for the previous one", '''
+def overlapped_data_parallel(model, x, y, loss_fn):
+    world = dist.get_world_size()
+    last = []
+
+    def on_grad_ready(p):
+        if last:
+            last.pop().wait()
+        p.grad.div_(world)
+        last.append(dist.all_reduce(p.grad, async_op=True))
+
+    handles = [p.register_post_accumulate_grad_hook(on_grad_ready) for p in model.parameters()]
+    loss_fn(model(x), y).backward()
+    for work in last:
+        work.wait()
+    for h in handles:
+        h.remove()
+'''),
     (1, "sums in the hook, divides after waiting", '''
 def overlapped_data_parallel(model, x, y, loss_fn):
     world = dist.get_world_size()

@@ -290,6 +290,31 @@ def vocab_parallel_ce(logits, targets, vocab_start):
 ]
 
 RIGHT = [  # (exercise, label, answer source): unusual but right
+    (1, "f and g with the functional all-reduce", '''
+def tp_mlp(x, w1_shard, w2_shard):
+    import torch.distributed._functional_collectives as funcol
+
+    class EnterRegion(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return funcol.all_reduce(grad.contiguous(), "sum", dist.group.WORLD).wait()
+
+    class LeaveRegion(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, partial):
+            return funcol.all_reduce(partial.contiguous(), "sum", dist.group.WORLD).wait()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    hidden = F.gelu(EnterRegion.apply(x) @ w1_shard.t())
+    return LeaveRegion.apply(hidden @ w2_shard.t())
+'''),
     (1, "async all-reduces, F.linear and a clone for f", '''
 def tp_mlp(x, w1_shard, w2_shard):
     def summed(t):

@@ -8,12 +8,20 @@ learner's function runs on a rank (`ranks.on_ranks`), the functions of
 global ranks of its group, the bytes this rank put in, the reduction, the peer), and
 a check reads them back to name what was called, what was not, and what was forbidden.
 
+The functional collectives (torch.distributed._functional_collectives, the API that
+torch.distributed.nn.functional's warning points to) are recorded as the same kinds:
+funcol.all_reduce is an all_reduce. They return at once (the wait is in the first use of
+the tensor), so they announce nothing.
+
 The same wrapping says where a rank is stuck. On entering a call that can block (a
 collective, a recv, the wait of an isend/irecv) a rank writes one line to a file of its
-own ("since <time>: all_reduce SUM over ranks [0, 1], 64 B"), and clears it on leaving.
+own ("<time> <key> all_reduce SUM over ranks [0, 1], 64 B"), and clears it on leaving.
 The process that runs the check reads those files: when every rank that has not
-returned has been blocked for `STALL` seconds, nothing can move any more, and it says
-which rank waits in which call, instead of waiting for a timeout.
+returned has been blocked for `STALL` seconds and no two of them wait in calls that
+answer each other, nothing can move any more, and it says which rank waits in which
+call, instead of waiting for a timeout. Ranks that all wait in the same collective (the
+n-th on their group, of the same size), or a send and the recv that takes it, are only
+slow (a big tensor, a loaded machine): the key on each line says which call it is.
 """
 
 from __future__ import annotations
@@ -41,6 +49,21 @@ _DATA_ARG = {
 _SAME = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
 POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 _ASYNC = ("isend", "irecv")  # return a Work whose wait() is where they block
+# Collectives whose data is the same size on every rank of the group: a size that differs is no match.
+_SAME_SIZE = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+              "reduce_scatter_tensor", "barrier")
+# torch.distributed._functional_collectives: name -> (the kind recorded, its reduction argument or None).
+_FUNCOL = {
+    "all_reduce": ("all_reduce", "reduceOp"), "broadcast": ("broadcast", None),
+    "all_gather_single": ("all_gather_into_tensor", None), "all_gather_tensor": ("all_gather_into_tensor", None),
+    "all_gather_single_autograd": ("all_gather_into_tensor", None),
+    "all_gather_tensor_autograd": ("all_gather_into_tensor", None),
+    "reduce_scatter_single": ("reduce_scatter_tensor", "reduceOp"),
+    "reduce_scatter_tensor": ("reduce_scatter_tensor", "reduceOp"),
+    "reduce_scatter_single_autograd": ("reduce_scatter_tensor", "reduceOp"),
+    "reduce_scatter_tensor_autograd": ("reduce_scatter_tensor", "reduceOp"),
+    "all_to_all_single": ("all_to_all_single", None), "all_to_all_single_autograd": ("all_to_all_single", None),
+}
 
 
 @dataclass(frozen=True)
@@ -78,6 +101,7 @@ def sent(calls) -> int:
 _RECORD: list[Call] | None = None
 _STATUS: str | None = None  # this rank's file, where a blocking call is announced
 _DEPTH = [0]  # inside a wrapped call: the calls it makes itself are its own business
+_SEQ: dict = {}  # group -> collectives called on it so far: the n-th on a group is the same call on each rank
 
 
 def calls() -> list[Call]:
@@ -105,21 +129,38 @@ def _bytes(value) -> int:
     return 0
 
 
-def _announce(line: str | None) -> None:
+def _announce(line: str | None, key: str = "-") -> None:
+    """`line` (None: not blocked) in this rank's status file, with the time and the call's key. Written
+    whole and then renamed, so that the reader never sees half a line."""
     if _STATUS is None:
         return
-    with open(_STATUS, "w") as f:
-        f.write("" if line is None else f"{time.time()} {line}")
+    part = f"{_STATUS}.part"
+    with open(part, "w") as f:
+        f.write("" if line is None else f"{time.time()} {key} {line}")
+    os.replace(part, _STATUS)
+
+
+def _key(call: Call) -> str:
+    """Which call this is, in words the other ranks' keys can be matched against: "send>1:64" and
+    "recv<0:64" take each other's message; "all_reduce@0,1#3:64" is the same collective on ranks 0 and 1."""
+    if call.kind in ("send", "isend"):
+        return f"send>{call.peer}:{call.bytes}"
+    if call.kind in ("recv", "irecv"):
+        return f"recv<{'*' if call.peer is None else call.peer}:{call.bytes}"
+    kind = _SAME.get(call.kind, call.kind)
+    _SEQ[call.group] = n = _SEQ.get(call.group, 0) + 1
+    size = f":{call.bytes}" if call.kind in _SAME_SIZE else ""
+    return f"{kind}@{','.join(map(str, call.group))}#{n}{size}"
 
 
 class _WatchedWork:
     """An isend/irecv's Work: its wait() is where the rank blocks, so that is what is announced."""
 
-    def __init__(self, work, call: Call):
-        self._work, self._call = work, call
+    def __init__(self, work, call: Call, key: str):
+        self._work, self._call, self._key = work, call, key
 
     def wait(self, *args, **kwargs):
-        _announce(f"the wait of {self._call}")
+        _announce(f"the wait of {self._call}", self._key)
         try:
             return self._work.wait(*args, **kwargs)
         finally:
@@ -161,9 +202,10 @@ def _wrap(name: str, original):
         except Exception:  # noqa: BLE001 - arguments torch will refuse itself, in its own words
             return original(*args, **kwargs)
         _RECORD.append(call)
+        key = _key(call)
         blocks = name not in _ASYNC and not kwargs.get("async_op", False)
         if blocks:
-            _announce(str(call))
+            _announce(str(call), key)
         _DEPTH[0] += 1
         try:
             result = original(*args, **kwargs)
@@ -172,8 +214,54 @@ def _wrap(name: str, original):
             if blocks:
                 _announce(None)
         if result is not None and not isinstance(result, int) and hasattr(result, "wait"):
-            return _WatchedWork(result, call)
+            return _WatchedWork(result, call, key)
         return result
+
+    watched.__watched__ = original
+    watched.__name__ = name
+    watched.__doc__ = original.__doc__
+    return watched
+
+
+def _funcol_ranks(group) -> tuple:
+    """The global ranks of a functional collective's group: a ProcessGroup, a list of ranks, a group's
+    name, a 1-D DeviceMesh or (mesh, dim)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    if isinstance(group, (list, tuple)) and group and all(isinstance(r, int) for r in group):
+        return tuple(group)
+    if isinstance(group, tuple) and len(group) == 2:
+        group = group[0].get_group(group[1])
+    elif hasattr(group, "get_group"):
+        group = group.get_group()
+    if isinstance(group, str):
+        group = c10d._resolve_process_group(group)
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _wrap_funcol(name: str, original):
+    """A functional collective, recorded as the kind of torch.distributed's that does the same. It returns
+    at once (an AsyncCollectiveTensor): nothing blocks here, nothing is announced."""
+    kind, op_arg = _FUNCOL[name]
+    signature = inspect.signature(original)
+
+    def watched(*args, **kwargs):
+        if _DEPTH[0] or _RECORD is None:
+            return original(*args, **kwargs)
+        try:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            op = str(bound[op_arg]).upper() if op_arg else None
+            call = Call(kind, _funcol_ranks(bound.get("group")), _bytes(bound.get("self")), op)
+        except Exception:  # noqa: BLE001 - arguments torch will refuse itself, in its own words
+            return original(*args, **kwargs)
+        _RECORD.append(call)
+        _key(call)  # counted on its group, as the other ranks count it
+        _DEPTH[0] += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _DEPTH[0] -= 1
 
     watched.__watched__ = original
     watched.__name__ = name
@@ -201,7 +289,17 @@ def watching(status_file: str | None = None):
             if getattr(module, name, None) is original:
                 saved.append((module, name, original))
                 setattr(module, name, wrapper)
+    try:
+        import torch.distributed._functional_collectives as funcol
+    except ImportError:
+        funcol = None
+    for name in _FUNCOL if funcol is not None else ():
+        original = getattr(funcol, name, None)
+        if callable(original):
+            saved.append((funcol, name, original))
+            setattr(funcol, name, _wrap_funcol(name, original))
     _RECORD, _STATUS = [], status_file
+    _SEQ.clear()
     _announce(None)
     try:
         yield _RECORD
@@ -213,23 +311,45 @@ def watching(status_file: str | None = None):
 
 # ---- in the process that runs the check -----------------------------------------------------------
 
-def stalled(status_dir: str, pending: list[int], world: int, stall: float = STALL) -> str | None:
+def _answered(blocked: dict) -> bool:
+    """Whether some of the blocked ranks wait in calls that complete each other: all the ranks of a group
+    in the same collective, or a send and the recv of its message. They move, however slowly."""
+    for rank, key in blocked.items():
+        if key.startswith("send>"):
+            peer, size = key[len("send>"):].split(":", 1)
+            if peer.isdigit() and blocked.get(int(peer)) in (f"recv<{rank}:{size}", f"recv<*:{size}"):
+                return True
+        elif "@" in key and "#" in key:
+            group = key.split("@", 1)[1].split("#", 1)[0].split(",")
+            if all(r.isdigit() and blocked.get(int(r)) == key for r in group):
+                return True
+    return False
+
+
+def stalled(status_dir: str, pending: list[int], world: int, stall: float | None = None) -> str | None:
     """A sentence naming where each unfinished rank waits, when all of them have been blocked in a call
-    for `stall` seconds (a deadlock: none of them can move another); None while any may still move."""
-    now, waiting = time.time(), []
+    for `stall` seconds (STALL if None) and none of those calls can complete another's (a deadlock:
+    none of them can move another); None while any may still move."""
+    stall = STALL if stall is None else stall
+    now, waiting, blocked = time.time(), [], {}
     for rank in pending:
         try:
             with open(os.path.join(status_dir, f"rank{rank}")) as f:
                 line = f.read()
         except OSError:
             return None
-        if not line:
+        parts = line.split(" ", 2)
+        if len(parts) < 3:
             return None  # computing: it may yet reach the call the others wait in
-        since, what = line.split(" ", 1)
-        if now - float(since) < stall:
+        since, key, what = parts
+        try:
+            if now - float(since) < stall:
+                return None
+        except ValueError:
             return None
+        blocked[rank] = key
         waiting.append(f"rank {rank} waits in {what}")
-    if not waiting:
+    if not waiting or _answered(blocked):
         return None
     done = [r for r in range(world) if r not in pending]
     if done:

@@ -104,6 +104,15 @@ class WorkerPool:
         task = pickle.dumps((fn, args, kwargs))  # fails here, in the caller, if it cannot travel
         for q in self.tasks:
             q.put(task)
+        try:
+            return self._collect(fn, timeout, stalled)
+        except BaseException:
+            # Left running (an interrupt, a `stalled` that raised), the ranks would finish this task
+            # later and hand its results to the next caller's: a pool is reused only between tasks.
+            self.close(kill=True)
+            raise
+
+    def _collect(self, fn, timeout: float, stalled) -> list:
         deadline = time.monotonic() + timeout
         out, errors, grace = {}, {}, False
         while len(out) + len(errors) < self.world_size:

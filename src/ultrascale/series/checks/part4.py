@@ -71,14 +71,21 @@ def _single_process(make, seed, n_in, n_out, samples) -> dict:
 
 # ---- what a rank notes beside its watched calls ------------------------------------------------
 
+_IN_BACKWARD = [0]  # backward passes running now (_backward_marks)
+_READY = [0]  # gradients accumulated so far (exercise 1's model counts them): where backward has got to
+
+
 class _Work:
-    """An asynchronous all-reduce's Work that notes when it is waited for."""
+    """An asynchronous all-reduce's Work that notes when it is waited for: whether backward was still
+    running, and how many gradients were ready by then."""
 
     def __init__(self, work, note):
         self._work, self._note = work, note
 
     def wait(self, *args, **kwargs):
         self._note["waited"] = True
+        self._note.setdefault("waited_in_backward", _IN_BACKWARD[0] > 0)
+        self._note.setdefault("ready_at_wait", _READY[0])
         return self._work.wait(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -101,7 +108,7 @@ def _noting(notes: list, keep_buffers: bool = False):
 
     def all_reduce(tensor, *args, **kwargs):
         asynchronous = bool(signature.bind(tensor, *args, **kwargs).arguments.get("async_op", False))
-        note = {"index": len(watch.calls()), "async": asynchronous, "waited": False,
+        note = {"index": len(watch.calls()), "async": asynchronous, "waited": False, "ready_at_start": _READY[0],
                 "flat": tensor.dim() == 1 and tensor.is_contiguous(),
                 "buffer": tensor.detach().clone() if keep_buffers else None}
         notes.append(note)
@@ -139,9 +146,11 @@ def _backward_marks(marks: list):
 
     def backward(*args, **kwargs):
         start = len(watch.calls())
+        _IN_BACKWARD[0] += 1
         try:
             return real(*args, **kwargs)
         finally:
+            _IN_BACKWARD[0] -= 1
             marks.append((start, len(watch.calls())))
 
     torch.autograd.backward = backward
@@ -253,6 +262,9 @@ def _ex1_on_rank(fn, seed: int, samples: int):
     local = overlap_model()
     nn.MSELoss()(local(xb), yb).backward()
     model = overlap_model()
+    _READY[0] = 0
+    for p in model.parameters():  # registered first, so it runs before the learner's hook on the same p
+        p.register_post_accumulate_grad_hook(lambda p: _READY.__setitem__(0, _READY[0] + 1))
     notes, marks, ddp = [], [], []
     with _noting(notes), _backward_marks(marks), _ddp_noted(ddp):
         fn(model, xb, yb, nn.MSELoss())
@@ -401,6 +413,13 @@ def _overlapped(results, calls, names: list) -> None:
                 "each all-reduce blocks: with async_op=False the hook waits for the network and backward "
                 "stops until it is done, so nothing overlaps. Pass async_op=True, keep the Work, wait for all "
                 "of them after backward")
+        started = [note for note in res["notes"] if note["async"]]
+        if started and all(note.get("waited_in_backward") and note.get("ready_at_wait") == note["ready_at_start"]
+                           for note in started):
+            raise AssertionError(
+                "each all-reduce is waited for in the hook that started it, before backward computes the next "
+                "gradient: async_op=True then .wait() at once blocks backward as async_op=False does, so nothing "
+                "overlaps. Keep the Works and wait for all of them after backward")
         if len(mine) != len(names):
             raise AssertionError(f"{len(mine)} all-reduces for {len(names)} gradients on rank {rank}: one per "
                                  f"parameter, from its hook")
