@@ -146,10 +146,12 @@ def ddp_buckets(make, bucket_cap_mb=None, iterations=2):
     return seen, ddp._get_ddp_logging_data()["bucket_sizes"]
 
 
-from ultrascale.model import build_model, get_preset
+from ultrascale.model import Transformer, get_preset
 
-# An LLM's parameter tensors, counted on the meta device (shapes only, no memory): one all-reduce each without buckets.
-llama = build_model(get_preset("llama3-8b"), 0, torch.device("meta"))
+# An LLM's parameter tensors, counted on the meta device (shapes only, no memory, nothing initialised): one
+# all-reduce each without buckets.
+with torch.device("meta"):
+    llama = Transformer(get_preset("llama3-8b"))
 print(f"llama3-8b: {len(list(llama.parameters()))} parameter tensors")
 print("torch", torch.__version__)
 sizes = {n: p.numel() for n, p in exercise_model().named_parameters()}
