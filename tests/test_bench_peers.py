@@ -125,8 +125,8 @@ def test_experts_without_dispatch_and_the_course_rows(peers):
                    {"notebook": "12_b.ipynb", "max_s": 12.5, "runs": [12.5]}]}
     (course,) = peers.rows_nb(nb)
     assert (course.technique, course.ours, course.ranks) == ("the course (2 notebooks)", "slowest Run All: 12_b", "-")
-    assert course.paired == pytest.approx(1.6) and peers.verdict(course) == "≥ 1.00x: met"
-    assert peers.verdict(peers.rows_nb({"rows": [{"notebook": "9_c.ipynb", "max_s": 25.0, "runs": [25.0]}]})[0]) \
+    assert course.paired == pytest.approx(45 / 12.5) and peers.verdict(course) == "≥ 1.00x: met"
+    assert peers.verdict(peers.rows_nb({"rows": [{"notebook": "9_c.ipynb", "max_s": 50.0, "runs": [50.0]}]})[0]) \
         == "≥ 1.00x: missed"
 
 

