@@ -36,14 +36,15 @@ NOTEBOOK_FILES = sorted(glob.glob(os.path.join(NOTEBOOKS, "[0-9]*_*.ipynb")), ke
 
 
 def cases(path) -> dict:
-    """tests/notebook_cases/N_topic.py: PRINTED, the lines the notebook must print from its own runs."""
+    """tests/notebook_cases/N_topic.py: PRINTED, the lines the notebook must print from its own runs, and
+    PACED, whether it times a run whose waits must not be stretched by other work on the machine."""
     case = os.path.join(CASES, _stem(path) + ".py")
     if not os.path.exists(case):
-        return {"PRINTED": []}
+        return {"PRINTED": [], "PACED": False}
     spec = importlib.util.spec_from_file_location(f"case_{_stem(path)}", case)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return {"PRINTED": list(getattr(module, "PRINTED", []))}
+    return {"PRINTED": list(getattr(module, "PRINTED", [])), "PACED": bool(getattr(module, "PACED", False))}
 
 
 class _Runs(dict):
@@ -73,8 +74,11 @@ def _measures(path) -> bool:
 # The notebooks that print what a run measured go again under another kernel set (`-m rounding`,
 # `make test`): a pin closer than that run's rounding fails on the developer's machine first. The
 # others print words and the planner's arithmetic, which no kernel set changes; their exercises are
-# checked against runs on the same machine, in the same kernels.
-BY_KERNELS = [pytest.param(p, id=_stem(p), marks=[pytest.mark.rounding] if _measures(p) else [])
+# checked against runs on the same machine, in the same kernels. The paced pipeline runs (Parts 11 and
+# 12) compare a recorded timeline with the simulator's: beside another test process and its ranks, the
+# wake-up of a waiting rank takes tens of milliseconds instead of a few, so `make test` runs them alone.
+BY_KERNELS = [pytest.param(p, id=_stem(p), marks=([pytest.mark.rounding] if _measures(p) else [])
+                           + ([pytest.mark.paced] if cases(p)["PACED"] else []))
               for p in NOTEBOOK_FILES]
 
 
