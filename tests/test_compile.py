@@ -16,7 +16,7 @@ import torch
 
 from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, validate
 from ultrascale.model import get_preset
-from ultrascale.testing.compare import (FP32, RunRecord, assert_matches, compare, single_process_config,
+from ultrascale.testing.compare import (FP8, FP32, RunRecord, assert_matches, compare, single_process_config,
                                         train_parallel, train_single)
 
 # Not marked `equivalence`: `make test` would run these again under two more ATen kernel sets,
@@ -116,13 +116,17 @@ def test_compiling_the_moe_layer_too_is_caught(monkeypatch):
 def test_compiled_fp8_matches_the_eager_fp8_run():
     # torchao's float8 recipe is meant to run compiled (its amax, scale and casts fuse into the
     # matmul's neighbours; on an H100 the 1b preset trained 1.11x faster than compiled bf16, and
-    # 2.3x slower in eager: docs/benchmarks.md). Compiled, the casts must round as eager ones do.
-    # Measured (CPU, 3 steps): loss rel 0, step-1 grad rel L2 2.1e-7, params 1.2e-7 of sum(lr).
+    # 2.3x slower in eager: docs/benchmarks.md). Compiled, both runs cast the same values to fp8
+    # except where inductor's fused amax and scale reorder the fp32 arithmetic before a cast: the FP8
+    # tolerance class (testing/tolerance.py), not fp32's. (Measured, for the record: AVX-512 EPYC loss
+    # rel 0, params 1.2e-7 of sum(lr); an AMX Xeon params 5.0e-4, over fp32's 4.9e-4.)
     cfg = config(steps=3)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8=True))
     ref = RunRecord.of(train_single(eager(cfg)))
-    assert_matches(compare("compile + fp8 vs eager fp8, 1 process", ref, RunRecord.of(train_single(cfg))))
-    # The wrong variant: compiled blocks that lost the FP8 casts (plain fp32 linears) fail it.
+    assert_matches(compare("compile + fp8 vs eager fp8, 1 process", ref, RunRecord.of(train_single(cfg))), FP8)
+    # The wrong variant: compiled blocks that lost the FP8 casts (plain fp32 linears) fail the FP8
+    # class on every quantity (measured: loss 3.7e-4, norms 7.1e-3, step-1 gradients 9.7e-2, params
+    # 5.6e-2 of sum(lr)): each value moves by its whole quantisation error, not by a rare crossing.
     plain = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8=False))
     bad = compare("compile without the fp8 casts vs eager fp8", ref, RunRecord.of(train_single(plain)), record=False)
-    assert bad.failures(FP32), bad.line()
+    assert len(bad.failures(FP8)) == 4, bad.line()

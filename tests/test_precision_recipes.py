@@ -13,7 +13,7 @@ import torch
 from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, validate
 from ultrascale.distributed.context import build_context
 from ultrascale.model import get_preset
-from ultrascale.testing.compare import (BF16, FP32, check_against_single, compare_against_single, train_parallel,
+from ultrascale.testing.compare import (BF16, check_against_single, compare_against_single, train_parallel,
                                         train_single, worst)
 from ultrascale.train.loss_scale import DynamicLossScaler
 from ultrascale.train.trainer import Trainer
@@ -238,16 +238,15 @@ def test_fp8_trains_and_stays_close_to_fp32(monkeypatch):
 @pytest.mark.equivalence
 def test_fp8_under_zero3_matches_one_process_with_the_same_micro_batches():
     # Each rank casts its own micro-batches with their own amax, as one process fed the same
-    # micro-batches does; ZeRO-3 gathers the full weight before the cast. Measured: loss rel
-    # 8.6e-8, step-1 grad rel L2 6.9e-8: the fp32 bounds hold (a 1% gradient error fails them:
-    # tests/test_equivalence_criterion.py). Also measured, not kept as tests: dp 2 ZeRO-1 bf16
+    # micro-batches does; ZeRO-3 gathers the full weight before the cast: held to the FP8 tolerance
+    # class (fp32 reordered, seen through the casts; measured, for the record: loss rel 8.6e-8,
+    # step-1 grad rel L2 6.9e-8). Also measured, not kept as tests: dp 2 ZeRO-1 bf16
     # (grad rel 6.7e-10) and pp 2 1F1B (0). Context parallelism runs but is not equal: each cp
     # rank scales its own shard of the sequence (step-1 grad rel L2 0.11, the size of FP8's
     # own error), see docs/precision.md.
     p = ParallelConfig(bucket_mb=0.05, dp=2, zero=3)
     t = TrainConfig(steps=2, seq_len=32, micro_batch=2, grad_accum=2, seed=5, fp8=True, progress=False)
-    check_against_single("fp8 dp 2 zero 3", RunConfig(model=get_preset("tiny", layers=2), parallel=p, train=t), 2,
-                         tol=FP32)
+    check_against_single("fp8 dp 2 zero 3", RunConfig(model=get_preset("tiny", layers=2), parallel=p, train=t), 2)
 
 
 def test_fp8_refusals_are_one_line(capsys, monkeypatch, tmp_path):
@@ -263,6 +262,7 @@ def test_fp8_refusals_are_one_line(capsys, monkeypatch, tmp_path):
 
     assert "--fp8 with --tp 2" in refused("--nproc", "2", "--tp", "2")
     assert "zero-bubble" in refused("--nproc", "2", "--pp", "2", "--pp-schedule", "zero-bubble")
+    assert "--fp8 with --cp 2" in refused("--nproc", "2", "--cp", "2", "--seq-len", "32")
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # a machine without torchao
     line = refused()
     assert "--fp8 needs torchao" in line and "pip install 'ultrascale[fp8]'" in line

@@ -40,11 +40,12 @@ def cases(path) -> dict:
     PACED, whether it times a run whose waits must not be stretched by other work on the machine."""
     case = os.path.join(CASES, _stem(path) + ".py")
     if not os.path.exists(case):
-        return {"PRINTED": [], "PACED": False}
+        return {"PRINTED": [], "PACED": False, "KERNELS": False}
     spec = importlib.util.spec_from_file_location(f"case_{_stem(path)}", case)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return {"PRINTED": list(getattr(module, "PRINTED", [])), "PACED": bool(getattr(module, "PACED", False))}
+    return {"PRINTED": list(getattr(module, "PRINTED", [])), "PACED": bool(getattr(module, "PACED", False)),
+            "KERNELS": bool(getattr(module, "KERNELS", False))}
 
 
 class _Runs(dict):
@@ -77,7 +78,11 @@ def _measures(path) -> bool:
 # checked against runs on the same machine, in the same kernels. The paced pipeline runs (Parts 11 and
 # 12) compare a recorded timeline with the simulator's: beside another test process and its ranks, the
 # wake-up of a waiting rank takes tens of milliseconds instead of a few, so `make test` runs them alone.
-BY_KERNELS = [pytest.param(p, id=_stem(p), marks=([pytest.mark.rounding] if _measures(p) else [])
+# KERNELS: a notebook whose cells take another path under another kernel set (bf16 attention: torch's
+# CPU flash kernel, or the math kernel where flash cannot run, parallel/precision.py) says which it took,
+# and runs again under the lowest set too.
+BY_KERNELS = [pytest.param(p, id=_stem(p), marks=([pytest.mark.rounding] if _measures(p) or cases(p)["KERNELS"]
+                                                  else [])
                            + ([pytest.mark.paced] if cases(p)["PACED"] else []))
               for p in NOTEBOOK_FILES]
 
@@ -272,3 +277,22 @@ def test_run_command_reports_the_failing_cell(tmp_path, cli):
     bad = next(i for i, c in enumerate(nb.cells) if c.source == "values[0] / 0")
     assert f"{path}: cell {bad} failed: ZeroDivisionError: float division by zero" in out
     assert f"{path}: FAILED," in out
+
+
+def test_an_endless_cell_times_out_and_grading_goes_on_past_it():
+    # The kernel's manager is asynchronous: a cell's limit is a timer on the loop that waits for the kernel's
+    # reply (a synchronous manager blocked that loop: an endless cell hung `run` and `grade` whatever
+    # --timeout said). Graded, the kernel is interrupted at the limit and the next cell runs.
+    from ultrascale.series.execute import _grade
+
+    cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("while True:\n    pass"),
+             nbformat.v4.new_code_cell("print('after', x)")]
+    nb = nbformat.v4.new_notebook(cells=cells)
+    report = run_notebook(nb, timeout=3)
+    assert report.failure is not None and report.failure.line() == "cell 1 failed: Timeout: the cell ran longer than 3 s"
+    assert report.executed == [0, 1], report.executed  # a run stops at the cell that failed
+    graded = run_notebook(nb, timeout=3, exercises=False, keep_going=True, grade=True)
+    assert [e.line() for e in graded.errors] == ["cell 1 failed: Timeout: ran longer than 3 s (--timeout)"]
+    assert "after 1" in graded.outputs[2], graded.outputs  # the kernel was interrupted, not lost
+    g = _grade(1, "Accumulate", "Timeout: ran longer than 3 s (--timeout)")
+    assert (g.status, g.message.split(":")[0]) == ("error", "the check ran longer than 3 s (--timeout)"), g

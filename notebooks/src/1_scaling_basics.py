@@ -70,6 +70,11 @@ for dtype, metrics in runs.items():
           + f" = {sum(per_param.values()):g} bytes per parameter;"
           + f" activations {mem['activations'] / 2**20:.2f} MiB for 8 x 64 tokens")
 act = {dtype: metrics[-1]["memory"]["activations"] for dtype, metrics in runs.items()}
+from ultrascale.parallel.precision import flash_attention_fails_here
+if flash_attention_fails_here("bf16"):  # an AMX CPU under ATEN_CPU_CAPABILITY below avx512 (Part 2)
+    print("bf16 attention ran on SDPA's math kernel here (torch's CPU flash kernel cannot run bf16 under "
+          "this ATen kernel set on a CPU with AMX): it keeps each head's s x s probabilities, so the ratio "
+          "below is not flash attention's")
 print(f"bf16 activations / fp32 activations: {act['bf16'] / act['fp32']:.2f}")
 ''')
 

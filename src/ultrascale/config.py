@@ -269,6 +269,10 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
     if t.fp8 and cfg.parallel.tp > 1:
         raise ConfigError(f"--fp8 with --tp {cfg.parallel.tp}: the tensor-parallel layers are not nn.Linear, so "
                           f"torchao's FP8 would not reach them; run --fp8 with --tp 1 (dp, ZeRO, pp, cp compose)")
+    if t.fp8 and cfg.parallel.cp > 1:
+        raise ConfigError(f"--fp8 with --cp {cfg.parallel.cp}: each context-parallel rank would scale its casts by the "
+                          f"amax of its own shard of the sequence, not the micro-batch's, so the run would not be "
+                          f"one process's; run --fp8 with --cp 1 (dp, ZeRO, pp compose)")
     if t.fp8 and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in ("zero-bubble", "dualpipev", "dualpipe"):
         raise ConfigError(f"--fp8 with --pp-schedule {cfg.parallel.pp_schedule}: FP8 layers would replace the deferrable linears "
                           "that split the weight gradients; use another --pp-schedule")

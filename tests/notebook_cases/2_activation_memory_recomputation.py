@@ -1,6 +1,9 @@
 """Cases for Part 2: lines the notebook must print from its own runs (the wrong answers a learner
 might write are in tests/course/test_part2_activation_memory_recomputation.py)."""
 
+# Its bf16 attention takes the kernel the kernel set allows (parallel/precision.py): under both sets.
+KERNELS = True
+
 PRINTED = [
     "tiny: h=64, heads a=8, kv width=32, SwiGLU f=128, 2 blocks",
     "fp32: one block, b=2, s=16 keeps 140,544 bytes = 4,392 per token",

@@ -26,8 +26,9 @@ tensor parallelism (our sharded layers are not `nn.Linear`s: torchao would not
 see them and the run would silently stay in high precision; torchao's own answer
 is DTensor-based float8 TP, which this engine does not use), and the zero-bubble
 pipeline schedule (its deferrable linears would be replaced and lose the split
-weight-gradient pass). ZeRO-1/2/3, data parallelism, other pipeline schedules and
-context parallelism compose.
+weight-gradient pass), and context parallelism (each rank would scale by the amax of its
+own shard of the sequence). ZeRO-1/2/3, data parallelism and the other pipeline
+schedules compose.
 """
 
 from __future__ import annotations

@@ -170,14 +170,19 @@ def cmd_run(args) -> int:
 
 def cmd_grade(args) -> int:
     from ultrascale.series.execute import grade_notebook
+    from ultrascale.series.outline import outline
 
     args.files = _notebooks(args.files)
     status, everything = 0, {}
     for f in args.files:
         nb = _read_notebook(f)
-        report, grades = grade_notebook(nb, timeout=args.timeout, cwd=os.path.dirname(os.path.abspath(f)))
-        if not grades:
+        if not any(e.check is not None for e in outline(nb).exercises):
             raise ConfigError(f"{f} has no exercises to grade (is it a notebook of the series?)")
+        report, grades = grade_notebook(nb, timeout=args.timeout, cwd=os.path.dirname(os.path.abspath(f)))
+        if not grades:  # the kernel never ran the checks: it did not start, died, or a check timed out
+            print(f"{f}: not graded: {report.failure.line() if report.failure else 'no check ran'}", file=sys.stderr)
+            status |= 1
+            continue
         everything[f] = {"grades": [g.__dict__ for g in grades], "errors": [e.line() for e in report.errors]}
         passed = sum(g.status == "passed" for g in grades)
         status |= 0 if passed == len(grades) else 1

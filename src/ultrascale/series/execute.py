@@ -95,15 +95,18 @@ class RunReport:
 
 
 def _this_python_manager():
+    """A kernel of this Python. Asynchronous, as nbclient's own: a cell's timeout is a timer on the
+    event loop that waits for the kernel's reply, and a synchronous manager's calls block that loop,
+    so an endless cell would never time out."""
     from ipykernel.kernelspec import RESOURCES, get_kernel_dict
     from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
-    from jupyter_client.manager import KernelManager
+    from jupyter_client.manager import AsyncKernelManager
 
     class ThisPython(KernelSpecManager):
         def get_kernel_spec(self, kernel_name):
             return KernelSpec(resource_dir=RESOURCES, **get_kernel_dict())
 
-    return KernelManager(kernel_spec_manager=ThisPython(), kernel_name="python3")
+    return AsyncKernelManager(kernel_spec_manager=ThisPython(), kernel_name="python3")
 
 
 def _text(cell) -> str:
@@ -141,6 +144,9 @@ def _grade(number: int, title: str, raised: str | None) -> Grade:
         return Grade(number, title, "not done yet", "fill in the TODO in the exercise's code cell")
     if raised.startswith("AssertionError"):
         return Grade(number, title, "wrong", raised[len("AssertionError"):].lstrip(": ") or "the check failed")
+    if raised.startswith("Timeout"):
+        return Grade(number, title, "error", f"the check {raised.partition(': ')[2]}: an answer that never returns "
+                                             f"(an endless loop, a receive no rank sends to), or raise --timeout")
     if raised.startswith("NameError") and "check_exercise_" in raised:
         return Grade(number, title, "error", "the check cell did not run (a cell above it failed)")
     return Grade(number, title, "error", f"your code raised {raised}")
@@ -162,7 +168,15 @@ def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | N
     settings = tempfile.TemporaryDirectory(prefix="ultrascale-kernel-")
     try:
         # Consecutive prints are one output, as a reader sees them; no per-cell timestamps.
+        # A kernel's start imports this Python's packages: on a busy machine that alone can take a minute,
+        # which is no failure of the notebook; it gets the cells' own limit, and at least nbclient's 60 s.
         client = NotebookClient(work, km=_this_python_manager(), timeout=timeout, shutdown_kernel="immediate",
+                                startup_timeout=max(60.0, timeout),
+                                # Grading goes on past an answer that never returns: the kernel is
+                                # interrupted at the limit, that exercise graded as such, the next checked.
+                                interrupt_on_timeout=grade,
+                                error_on_timeout={"ename": "Timeout", "evalue": f"ran longer than {timeout:g} s "
+                                                                                f"(--timeout)"} if grade else None,
                                 resources={"metadata": {"path": cwd or os.getcwd()}}, record_timing=False,
                                 coalesce_streams=True)
     except Exception as e:  # no ipykernel, broken jupyter setup
@@ -234,7 +248,8 @@ def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | N
     except RuntimeError as e:
         if "kernel" not in str(e).lower():
             raise
-        report.failure = CellError(0, "Kernel", str(e))
+        report.failure = CellError(0, "Kernel", f"the kernel did not start ({_first_line(str(e))}); waited up "
+                                                f"to {max(60.0, timeout):g} s: run again, or raise --timeout")
     finally:
         stderr.close()
         settings.cleanup()

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ultrascale.config import ParallelConfig, RunConfig
+from ultrascale.testing import tolerance
 from ultrascale.testing.harness import run_distributed, worker_context
+from ultrascale.testing.tolerance import Tolerance
 from ultrascale.train.startup import check_run
 
 # Filled by every comparison; the test suite prints it at the end, so the
@@ -38,29 +40,15 @@ from ultrascale.train.startup import check_run
 REPORT: list[str] = []
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """Bounds of one comparison; see docs/engine.md for where each number comes from."""
-
-    loss_rtol: float  # per step, |a - b| / |b|
-    grad_rtol: float  # first-step gradient, per tensor ||a - b|| / ||b||
-    norm_rtol: float  # gradient norm before clipping, every step, |a - b| / |b|
-    param_mean: float  # final parameters, per tensor mean(|a - b|) / (sum of the learning rates)
-
-
-# fp32 (unit roundoff 6e-8). Measured over every layout of the suite under the
-# default, avx2 and avx512 kernel sets: gradients <= 7e-7, norms <= 4e-6 (later steps
-# inherit the parameter differences), parameters <= 2.4e-5. A gradient averaged over
-# N + 1 ranks is off by 1/(N+1); one scaled by 1.01 is off by 1e-2; weight decay
-# applied to the wrong tensors moves parameters by ~wd * |w| = 2e-3 of sum(lr).
-FP32 = Tolerance(loss_rtol=1e-5, grad_rtol=1e-5, norm_rtol=1e-4, param_mean=3e-4)
-# bf16 compute (unit roundoff 3.9e-3) against one process fed the same micro-batches:
-# matmuls split across ranks round their partial sums to bf16 at other points. The gradient
-# norm of a later step carries every earlier step's parameter differences: tp 2 + sp over
-# 10 steps reached 3.9e-2 under the default kernel set (5.6e-3 under avx2 and avx512; every
-# other layout of tests/test_equivalence_criterion.py 4.5e-4 at most), hence 6e-2: a gradient
-# averaged over N + 1 ranks is off by 1/(N+1), a missing tp reduction by a factor.
-BF16 = Tolerance(loss_rtol=2e-3, grad_rtol=3e-2, norm_rtol=6e-2, param_mean=3e-2)
+# The bounds, by tolerance class (testing/tolerance.py, docs/engine.md "Tolerance classes"): each is the
+# unit roundoff of the format where the two runs round differently times a stated growth factor, the
+# same on every CPU. The faults they must catch are far outside them: a gradient averaged over N + 1
+# ranks is off by 1/(N+1), one scaled by 1.01 by 1e-2, weight decay on the wrong tensors moves
+# parameters by ~wd * |w| = 2e-3 of sum(lr), a missing tensor-parallel reduction by a factor.
+FP32 = tolerance.FP32_REORDER.tolerance
+BF16 = tolerance.BF16.tolerance
+FP16 = tolerance.FP16.tolerance
+FP8 = tolerance.FP8.tolerance
 
 
 @dataclass
@@ -243,7 +231,8 @@ def compare_against_single(label: str, cfg: RunConfig, world_size: int, fault: s
 
 
 def tolerance_for(cfg: RunConfig) -> Tolerance:
-    return FP32 if cfg.train.dtype == "fp32" else BF16
+    """The class of a layout against its single-process control: the compute dtype's, through FP8's casts."""
+    return tolerance.for_run(cfg.train.dtype, cfg.train.fp8).tolerance
 
 
 def check_against_single(label: str, cfg: RunConfig, world_size: int, tol: Tolerance | None = None,

@@ -295,25 +295,15 @@ def reference(cell: Cell):
     return _REFERENCES[key]
 
 
-# fp16 cells (10 mantissa bits, one process fed the same micro-batches): measured over the covering
-# set's 18 fp16 cells (3 steps, AVX-512), losses 1.7e-5, norms 5.1e-5, step-1 gradients 7.7e-4,
-# parameters 5.0e-4 of sum(lr) at most; bounded at about ten times that. bf16 cells: testing/compare.py's
-# BF16 (measured here: 2.2e-4, 1.2e-2, 9.0e-3, 2.0e-2), except in MoE cells the MoE layers' tensors
-# (router, experts) and the norm before them: a token whose top-k experts are a near-tie is routed by
-# bf16 rounding, which differs between a layout (tensor parallelism's partial sums, context
-# parallelism's blockwise merges) and one process, and with a capacity the tokens an expert drops
-# change with it. Those differ by the few tokens that went elsewhere: 0.12 at most (with capacity
-# 1.0), while the same cells in fp32 hold to 1e-6. Their bound, about twice that, catches a missing
-# reduction or a wrong scale (O(1)), not a rounding. fp16 MoE cells with a capacity meet the same at
-# the capacity's edge, where a near-tie decides which token an expert drops (measured with tp 2:
-# step-1 expert gradients 9.3e-2, the norm before them 2.9e-2 of sum(lr)): their MoE layers too.
-# The fp32 cells, and fp16 without a capacity, carry the precision.
-FP16_CELLS = dict(loss_rtol=2e-4, grad_rtol=8e-3, norm_rtol=5e-4, param_mean=5e-3)
-BF16_ROUTED = 0.25
-
+# Each cell is held to its dtype's tolerance class (testing/tolerance.py): fp32 cells to fp32
+# reordering, bf16 and fp16 cells (one process fed the same micro-batches) to their format's class,
+# except the MoE layers' tensors, and the norm before them, where the routing is decided in 16 bits
+# (bf16 cells; fp16 cells with a capacity, where a near-tie at the capacity's edge decides which token
+# an expert drops): there a layout moves a share of the assignments, bounded by `tolerance.routed`
+# (measured, for the record: 0.12 at most with capacity 1.0; the same cells in fp32 within 1e-6).
 
 def _routing_bound(cell: Cell) -> bool:
-    """Whether the cell's MoE layers are held to BF16_ROUTED (16-bit routing near-ties, see above)."""
+    """Whether the cell's MoE layers are held to the 16-bit routing bound (testing/tolerance.py, `routed`)."""
     return cell["model"] == "moe" and (cell["dtype"] == "bf16" or (cell["dtype"] == "fp16" and bool(cell["capacity"])))
 
 
@@ -323,17 +313,10 @@ def _routed(name: str) -> bool:
 
 
 def _tolerance(dtype: str, routed: bool = False):
-    from ultrascale.testing.compare import BF16, FP32, Tolerance
+    from ultrascale.testing import tolerance
 
-    if dtype == "fp32":
-        return FP32
-    if dtype == "fp16":
-        fp16 = Tolerance(**FP16_CELLS)
-        return dataclasses.replace(fp16, grad_rtol=BF16_ROUTED, param_mean=BF16_ROUTED) if routed else fp16
-    if routed:
-        return Tolerance(loss_rtol=BF16.loss_rtol, grad_rtol=BF16_ROUTED, norm_rtol=BF16.norm_rtol,
-                         param_mean=BF16_ROUTED)
-    return BF16
+    cls = tolerance.for_dtype(dtype)
+    return tolerance.routed(cls) if routed else cls.tolerance
 
 
 # The compiler the covering set's compiled cells use. What meets parallelism under --compile is
