@@ -26,28 +26,13 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/ultrascale train --model small --steps 60 --seq-len 128 --micro-batch 8 --lr 3e-3 --log-every 5
 
-# The figures a CPU's rounding can change, again on a second kernel set: the equivalence tests and
-# the notebooks that print measured figures under the lowest set (default), whose summation orders
-# differ most from any vector set's. A tolerance that holds for one CPU's rounding only is found
-# here, not on the next machine. (A third pass under avx2 on AVX-512 machines cost 2-3 minutes of
-# the suite; the tolerances were measured on all three sets: docs/engine.md.)
-# Two test processes (pytest-xdist), a file each at a time: one alone keeps 1.3 of 2 cores busy, as
-# its tests wait on process starts and rendezvous; module fixtures stay in one process. (Spreading the
-# notebooks over both processes was slower: two notebooks' ranks at once oversubscribe the cores.)
-PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
-AGAIN := $(PYTEST) -p no:cacheprovider
-
-# The course's paced pipeline runs (-m paced: a recorded timeline against its simulation) run alone,
-# one process, after the parallel pass: beside another test process's ranks a waiting rank wakes tens
-# of milliseconds late, which the timeline would show as bubble. They print training losses too, so
-# they go under both kernel sets.
-SERIAL := $(BIN)/python -m pytest -q -p no:cacheprovider -m paced
-
+# The passes (each timed; the 15 slowest tests at the end) are scripts/test_passes.py's: the whole
+# suite on two pytest-xdist workers, the paced pipeline notebooks alone, then the equivalence tests and
+# the notebooks whose figures or kernels depend on the CPU's kernel set again under the lowest set
+# (ATEN_CPU_CAPABILITY=default): a tolerance that holds for one CPU's rounding only is found here,
+# not on the next machine (docs/engine.md, "Tolerance classes").
 test: $(STAMP)
-	$(PYTEST) -m "not paced"
-	$(SERIAL)
-	ATEN_CPU_CAPABILITY=default $(AGAIN) -m "(equivalence or rounding) and not paced"
-	ATEN_CPU_CAPABILITY=default $(SERIAL)
+	$(BIN)/python scripts/test_passes.py $(BIN)/python
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -50,6 +50,18 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """How `make test` spreads the tests over its two pytest-xdist workers (--dist loadgroup): a test
+    file is one unit, run by one worker (its module fixtures built once), unless its tests name a group
+    of their own (each notebook's runs, each part of the README's tour). The units marked `long` go
+    first, so that the short ones fill in beside them instead of a long one running alone at the end."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _close_pools():
     yield

@@ -19,6 +19,8 @@ from ultrascale.model import get_preset
 from ultrascale.testing.compare import (FP8, FP32, RunRecord, assert_matches, compare, single_process_config,
                                         train_parallel, train_single)
 
+pytestmark = pytest.mark.long  # inductor's C++ builds: a minute on a cold cache
+
 # Not marked `equivalence`: `make test` would run these again under two more ATen kernel sets,
 # paying the compile each time, while inductor's generated kernels do not follow
 # ATEN_CPU_CAPABILITY; the eager layouts they are compared with are covered there.

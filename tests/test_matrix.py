@@ -18,6 +18,8 @@ import pytest
 from ultrascale.testing import matrix as M
 from ultrascale.train.startup import check_run
 
+pytestmark = pytest.mark.long  # the covering set: a hundred-odd cells of 1-35 s
+
 SPACE = M.space()
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "engine.md")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -88,16 +89,77 @@ def _needs_own_process(command: str) -> bool:
     return "--nproc" in command or "$(" in command
 
 
-def test_every_command_of_the_tour_runs_as_pasted(workdir):
+# The flags whose value is a file or directory a command writes, and `data prepare SRC OUT`'s OUT.
+WRITES = ("--save", "--log-jsonl", "--out", "-o", "--profile", "--emit-config", "--hf", "--tensorboard")
+
+
+def _written(command: str) -> set[str]:
+    words = shlex.split(command.split("   #")[0].split("  # ")[0])
+    out = {words[i + 1] for i, w in enumerate(words[:-1]) if w in WRITES}
+    if words[1:3] == ["data", "prepare"]:
+        out.add([w for w in words[3:] if not w.startswith("-")][1])
+    return out
+
+
+def _reads(command: str, path: str) -> bool:
+    return path in shlex.split(command.split("   #")[0].split("  # ")[0])[1:]
+
+
+PARTS = 4  # the tour is run as this many tests, which pytest-xdist spreads over its workers
+
+
+def tour_parts(commands: list[str], parts: int = PARTS) -> list[list[str]]:
+    """The commands in `parts` lists, each in the tour's order: a command stays with every earlier one
+    whose output it reads (--resume ck after --save ck, export after its checkpoint, plot after the
+    logs), the chains so formed dealt out greedily, most commands first, to the part with fewest."""
+    chain = list(range(len(commands)))  # union-find over the commands' indices
+
+    def root(i):
+        while chain[i] != i:
+            chain[i] = chain[chain[i]]
+            i = chain[i]
+        return i
+
+    for j, later in enumerate(commands):
+        for i in range(j):
+            if any(_reads(later, path) for path in _written(commands[i])):
+                chain[root(j)] = root(i)
+    chains: dict[int, list[int]] = {}
+    for i in range(len(commands)):
+        chains.setdefault(root(i), []).append(i)
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    for members in sorted(chains.values(), key=len, reverse=True):
+        min(bins, key=len).extend(members)
+    return [[commands[i] for i in sorted(b)] for b in bins if b]
+
+
+def test_the_parts_hold_every_command_once_after_what_it_reads():
+    commands = [shorten(c) for c in tour_commands()]
+    parts = tour_parts(commands)
+    assert sorted(c for part in parts for c in part) == sorted(commands)
+    for part in parts:  # what a command reads was written earlier in its own part
+        for j, later in enumerate(commands):
+            for i in range(j):
+                if any(_reads(later, path) for path in _written(commands[i])):
+                    assert (later in part) == (commands[i] in part), (commands[i], later)
+
+
+# Each part its own xdist group (tests/conftest.py): the parts run on whichever worker is free.
+@pytest.mark.parametrize("part", [pytest.param(i, marks=[pytest.mark.xdist_group(f"readme-tour-{i}"), pytest.mark.long])
+                                  for i in range(PARTS)], ids=[f"part{i + 1}of{PARTS}" for i in range(PARTS)])
+def test_every_command_of_the_tour_runs_as_pasted(workdir, part):
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    commands = [shorten(c) for c in tour_commands()]
+    commands = tour_parts([shorten(c) for c in tour_commands()])[part]
+    here = workdir / f"part{part}"
+    here.mkdir()
+    os.symlink(workdir / "path", here / "path")
     batch: list[str] = []
 
     def flush():
         if not batch:
             return
-        r = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(batch)], cwd=workdir, env=env,
+        r = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(batch)], cwd=here, env=env,
                            capture_output=True, text=True, timeout=600)
         codes = json.loads(r.stdout.rsplit("CODES ", 1)[1]) if "CODES " in r.stdout else None
         assert codes == [0] * len(batch), (batch, codes, r.stdout[-2000:], r.stderr[-2000:])
@@ -108,11 +170,11 @@ def test_every_command_of_the_tour_runs_as_pasted(workdir):
             batch.append(command)
             continue
         flush()
-        r = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True, text=True,
+        r = subprocess.run(["bash", "-c", command], cwd=here, env=env, capture_output=True, text=True,
                            timeout=240)
         assert r.returncode == 0, (command, r.stdout[-2000:], r.stderr[-2000:])
     flush()
     # what the commands wrote, as the tour says
-    for name in ("a.jsonl", "b.jsonl", "zb.png", "dualpipe.png", "runs.png", "run.toml", "out/config.json",
-                 "email-data/index.json", "ck-email/meta.json"):
-        assert (workdir / name).exists(), name
+    for command in commands:
+        for name in _written(command):
+            assert (here / name).exists(), (command, name)

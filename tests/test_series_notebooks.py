@@ -83,7 +83,9 @@ def _measures(path) -> bool:
 # and runs again under the lowest set too.
 BY_KERNELS = [pytest.param(p, id=_stem(p), marks=([pytest.mark.rounding] if _measures(p) or cases(p)["KERNELS"]
                                                   else [])
-                           + ([pytest.mark.paced] if cases(p)["PACED"] else []))
+                           + ([pytest.mark.paced] if cases(p)["PACED"] else [])
+                           # a notebook's run and the tests that read it: one unit, on either worker
+                           + [pytest.mark.xdist_group(f"notebook-{_stem(p)}"), pytest.mark.long])
               for p in NOTEBOOK_FILES]
 
 

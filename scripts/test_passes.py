@@ -1,0 +1,73 @@
+"""`make test`: the suite's passes, each timed, then the slowest tests of all of them.
+
+  python scripts/test_passes.py PYTHON
+
+1. every test but the paced ones, on two pytest-xdist workers (a file, a notebook or a part of the
+   README's tour to a worker at a time: tests/conftest.py);
+2. the paced ones (a recorded pipeline timeline against its simulation), alone: beside another test
+   process's ranks a waiting rank wakes tens of milliseconds late, which the timeline shows as bubble;
+3. the equivalence tests and the notebooks whose figures or kernels depend on the CPU's kernel set,
+   again under the lowest set (ATEN_CPU_CAPABILITY=default), whose summation orders differ most
+   from any machine's own: a bound that holds on one CPU only fails here, not on the next machine.
+   (The paced notebooks' figures are a timeline and the simulator's arithmetic: no kernel set
+   changes them, and they are not run again.)
+
+Each pass's time is printed as it ends, then all of them and the 15 slowest tests (from the JUnit
+files pytest writes), so a slow machine shows where the time went. The exit status is the first
+failing pass's; every pass runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+PASSES = [  # (name, extra environment, pytest arguments)
+    ("main", {}, ["-n", "2", "--dist", "loadgroup", "-m", "not paced"]),
+    ("paced", {}, ["-p", "no:cacheprovider", "-m", "paced"]),
+    ("default kernels", {"ATEN_CPU_CAPABILITY": "default"},
+     ["-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-m", "(equivalence or rounding) and not paced"]),
+]
+
+
+def slowest(files: list[tuple[str, str]], n: int = 15) -> list[tuple[float, str]]:
+    found = []
+    for name, path in files:
+        try:
+            root = ET.parse(path).getroot()
+        except (OSError, ET.ParseError):
+            continue
+        for case in root.iter("testcase"):
+            found.append((float(case.get("time", 0)), f"{case.get('classname', '')}::{case.get('name', '')} [{name}]"))
+    return sorted(found, reverse=True)[:n]
+
+
+def main(python: str) -> int:
+    status, times, junit = 0, [], []
+    with tempfile.TemporaryDirectory(prefix="ultrascale-test-") as tmp:
+        for i, (name, env, args) in enumerate(PASSES):
+            xml = os.path.join(tmp, f"pass{i}.xml")
+            start = time.perf_counter()
+            rc = subprocess.call([python, "-m", "pytest", "-q", *args, f"--junitxml={xml}"],
+                                 env={**os.environ, **env})
+            took = time.perf_counter() - start
+            times.append((name, took, rc))
+            junit.append((name, xml))
+            print(f"== pass {name!r}: {took:.0f} s, exit {rc}", flush=True)
+            status = status or rc
+        print("\n== the passes")
+        for name, took, rc in times:
+            print(f"  {name:<16} {took:6.0f} s  exit {rc}")
+        print(f"  {'all':<16} {sum(t for _, t, _ in times):6.0f} s")
+        print("== the 15 slowest tests")
+        for took, test in slowest(junit):
+            print(f"  {took:7.1f} s  {test}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else sys.executable))
