@@ -166,7 +166,7 @@ def cmd_generate(args) -> int:
 
     from ultrascale.model.config import ModelConfig
     from ultrascale.parallel.precision import DTYPES, check_dtype_support
-    from ultrascale.train.checkpoint import read_full_state
+    from ultrascale.train.checkpoint import trained_model
     from ultrascale.train.data import load_tokenizer
 
     device = pick_device(args.device)
@@ -188,11 +188,7 @@ def cmd_generate(args) -> int:
                           f"vocabulary has {cfg.vocab_size}: pass the run's --tokenizer")
     check_dtype_support(args.dtype, device)
 
-    from ultrascale.model.transformer import build_model
-
-    _, state = read_full_state(args.checkpoint)
-    model = build_model(cfg, seed=0, source=state).to(device).eval()
-    del state
+    model = trained_model(args.checkpoint, device).eval()  # the weights and the router biases
     with torch.no_grad():  # the parameters only, as training casts them: RoPE's tables and router biases stay fp32
         for p in model.parameters():
             p.data = p.data.to(DTYPES[args.dtype])

@@ -250,13 +250,13 @@ class Transformer(nn.Module):
         the full tensor.
 
         `source`, a mapping {single-device name: full tensor} (trained weights, e.g.
-        `model.hf.hf_weights`), replaces the random draw: each rank still takes its
+        `model.hf.hf_weights`, and the router biases of a checkpoint), replaces the random draw: each rank still takes its
         slice of each full tensor the same way, whatever the parallel layout.
         """
         self._fill_rope()
         for name, b in self.named_buffers():
-            if name.endswith("router_bias"):
-                b.zero_()
+            if name.endswith("router_bias"):  # a trained model's biases come with its weights
+                b.copy_(source[name]) if source is not None and name in source else b.zero_()
         for name, p in self.named_parameters():
             shape = getattr(p, "full_shape", p.shape)
             if source is None:

@@ -326,11 +326,11 @@ def load(path: str, trainer) -> int:
     trainer.main.copy_to_model()  # masters -> compute parameters (and ZeRO's all-gather)
     if trainer.scaler is not None and "loss_scale" in meta:
         trainer.scaler.load_state_dict(meta["loss_scale"])
-    saved = meta.get("router_bias", {})
+    saved = model_buffers(meta)
     with torch.no_grad():
         for name, b in trainer.model.named_buffers():
             if name in saved:
-                b.copy_(torch.tensor(saved[name], dtype=b.dtype))
+                b.copy_(saved[name].to(b.dtype))
     return meta["step"]
 
 
@@ -348,6 +348,28 @@ def read_full_state(path: str) -> tuple[dict, dict]:
     with _quiet(), _reading(path, "checkpoint", alone=True):
         dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(chunks), no_dist=True)
     return meta["config"], full
+
+
+def model_buffers(meta: dict) -> dict:
+    """{buffer name: tensor} of what the model's forward reads beside its parameters and that training
+    changes: every MoE router bias (aux-loss-free balancing), kept in meta.json. RoPE's tables are
+    not here: they follow from the shape."""
+    return {name: torch.tensor(values, dtype=torch.float32) for name, values in meta.get("router_bias", {}).items()}
+
+
+def trained_model(path: str, device="cpu"):
+    """The model a checkpoint holds, in one process, as training left it: its shape from the run
+    record, every parameter assembled from every rank's chunks, and its buffers (router biases).
+    What `generate` runs; `export` writes the same tensors."""
+    from ultrascale.model.config import ModelConfig
+    from ultrascale.model.transformer import build_model
+    from ultrascale.train.resume import latest
+
+    path = latest(path)
+    run_config, state = read_full_state(path)
+    meta = read_meta(path, what="checkpoint")
+    cfg = ModelConfig.from_dict(run_config["model"])
+    return build_model(cfg, seed=0, source={**state, **model_buffers(meta)}).to(device)
 
 
 def _read_index(path: str, what: str):

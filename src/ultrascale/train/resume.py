@@ -1,8 +1,9 @@
 """What a resumed run takes from its checkpoint, and what it must not change.
 
 `ultrascale train --resume CK` alone continues the run: every setting not given
-on the command line (or in --config) is the checkpoint's. Settings are of two
-kinds:
+on the command line (or in --config) is the checkpoint's, but for what this
+invocation writes and does (THIS_RUN below: its --save, logs, traces). Settings
+are of these kinds:
 
 - the math of the continuation: the model's shape, the seed and the data (the
   batches are a function of them and of the step), the tokenizer, the sequence
@@ -34,6 +35,29 @@ SAME_TRAIN = ("seq_len", "seed", "data", "data_column", "data_split", "tokenizer
 # of the step and these alone, so the continuation simply follows the new curve from the saved step).
 SCHEDULE = ("lr", "min_lr_ratio", "warmup_steps", "lr_schedule", "lr_decay_steps", "lr_decay_fraction")
 GRID = ("dp", "tp", "pp", "cp", "ep")
+# Every other TrainConfig field, by what a plain --resume does with it (tests/test_resume_fields.py
+# enumerates the fields: one that is in none of these lists fails it).
+# Taken with the layout when no --nproc/--dp/--tp/--pp/--cp/--ep is given (else chosen to keep the global batch).
+LAYOUT_TRAIN = ("nproc", "micro_batch", "grad_accum", "global_batch")
+# The run's own settings, free to change: the checkpoint's unless given.
+KEPT = ("steps", "eval_every", "eval_batches", "log_every", "recompute", "compile", "loss_scale_init", "peak",
+        "device", "timeout", "progress", "measure_activations")
+# How the run saves: the checkpoint's when this run saves too (--save), else there is nothing to keep.
+KEPT_WHEN_SAVING = ("save_every", "keep_last")
+# What this invocation does and where it writes what it observes: never taken from the checkpoint.
+THIS_RUN = {
+    "resume": "the checkpoint itself",
+    "init_from": "a start from other weights, which a resume is not",
+    "override_schedule": "a choice made for this continuation",
+    "overwrite": "a permission given for one --save",
+    "save": "where this run saves: a resume that names none saves nothing, as its flags say",
+    "log_jsonl": "a file this run writes: the saved run's own log would be written over",
+    "tensorboard": "a directory this run writes",
+    "wandb": "a project this run logs to",
+    "profile": "a directory this run writes traces into",
+    "profile_steps": "goes with --profile",
+    "pp_trace": "a file this run writes",
+}
 
 
 def _flag(field: str) -> str:
@@ -49,12 +73,13 @@ def resume_layer(saved: dict, given: dict) -> dict:
         model = dict(saved["model"])
         name = model.pop("name")
         layer["model"] = {"preset": name if name in PRESETS else "tiny", **model}  # every field given: shape exact
-    layer["train"] = {k: saved["train"][k] for k in SAME_TRAIN if k in saved["train"]}
+    kept = SAME_TRAIN + KEPT + (KEPT_WHEN_SAVING if given["train"].get("save") else ())
+    layer["train"] = {k: saved["train"][k] for k in kept if k in saved["train"]}
     if not any(k in given["parallel"] for k in GRID) and "nproc" not in given["train"]:
         layer["parallel"] = dict(saved["parallel"])
-        layer["train"]["nproc"] = saved["train"]["nproc"]
-        for k in ("micro_batch", "grad_accum"):
-            layer["train"][k] = saved["train"][k]
+        for k in LAYOUT_TRAIN:
+            if k in saved["train"]:
+                layer["train"][k] = saved["train"][k]
     elif "micro_batch" not in given["train"]:
         layer["train"]["micro_batch"] = saved["train"]["micro_batch"]
     return layer

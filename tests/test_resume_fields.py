@@ -1,0 +1,107 @@
+"""What a plain `--resume CK` takes from the checkpoint, field by field of the run's configuration.
+
+The fields are enumerated, not listed: a TrainConfig field added tomorrow is in none of
+train/resume.py's lists and fails the first test, and each saved value of every field that a
+resume keeps is checked to come back (a value the run record drops reverts to the default and fails
+the second). Then the two that a user lost, end to end: --eval-every and --keep-last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, build_config
+from ultrascale.train import resume
+
+TRAIN_FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def test_every_train_field_says_what_a_resume_does_with_it():
+    lists = {"SAME_TRAIN": resume.SAME_TRAIN, "LAYOUT_TRAIN": resume.LAYOUT_TRAIN, "KEPT": resume.KEPT,
+             "KEPT_WHEN_SAVING": resume.KEPT_WHEN_SAVING, "THIS_RUN": tuple(resume.THIS_RUN)}
+    for name in TRAIN_FIELDS:
+        homes = [k for k, fields in lists.items() if name in fields]
+        assert len(homes) == 1, f"TrainConfig.{name} is in {homes or 'none'} of train/resume.py's lists"
+    assert set().union(*map(set, lists.values())) <= set(TRAIN_FIELDS), "a list names a field TrainConfig lacks"
+
+
+def _other(value):
+    """A value of the same type as `value` and different from it."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 7
+    if isinstance(value, float):
+        return value + 0.25
+    return f"{value}-saved"
+
+
+def _saved(**train):
+    return RunConfig(parallel=ParallelConfig(dp=2, tp=2), train=TrainConfig(**train)).to_dict()
+
+
+def _resumed(saved: dict, train_flags: dict, parallel_flags: dict | None = None) -> RunConfig:
+    flags = {"model": {}, "parallel": dict(parallel_flags or {}), "train": {"resume": "CK", **train_flags}}
+    layer = resume.resume_layer(saved, flags)
+    return build_config(layer, flags)
+
+
+@pytest.mark.parametrize("name", [n for n in TRAIN_FIELDS if n not in resume.THIS_RUN])
+def test_a_plain_resume_keeps_the_saved_value(name):
+    value = _other(getattr(TrainConfig(), name))
+    saving = {"save": "CK"} if name in resume.KEPT_WHEN_SAVING else {}
+    got = _resumed(_saved(**{name: value}), saving)
+    assert getattr(got.train, name) == value, f"--resume dropped the saved {name} = {value!r}"
+    # and a flag given wins over it (the layout's fields: with a layout given too)
+    given = _other(value)
+    layout = {"pp": 2} if name in resume.LAYOUT_TRAIN else {}
+    assert getattr(_resumed(_saved(**{name: value}), {**saving, name: given}, layout).train, name) == given
+
+
+@pytest.mark.parametrize("name", list(resume.THIS_RUN))
+def test_what_this_run_does_is_not_taken_from_the_checkpoint(name):
+    value = _other(getattr(TrainConfig(), name))
+    assert getattr(_resumed(_saved(**{name: value}), {}).train, name) == (
+        "CK" if name == "resume" else getattr(TrainConfig(), name))
+
+
+def test_saving_settings_come_back_only_when_the_resume_saves():
+    saved = _saved(save="ck", save_every=3, keep_last=2)
+    assert (_resumed(saved, {}).train.keep_last, _resumed(saved, {}).train.save_every) == (0, 0)
+    assert _resumed(saved, {"save": "ck"}).train.keep_last == 2
+
+
+def test_the_layout_comes_with_the_checkpoint_unless_one_is_given():
+    saved = _saved(nproc=4, micro_batch=3, grad_accum=5)
+    assert (_resumed(saved, {}).parallel.tp, _resumed(saved, {}).train.nproc) == (2, 4)
+    other = _resumed(saved, {"nproc": 2}, {"pp": 2})
+    assert (other.parallel.tp, other.parallel.pp, other.train.grad_accum) == (1, 2, 1)
+
+
+def ultrascale(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "ultrascale", *args], capture_output=True, text=True, cwd=cwd,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+
+
+RUN = ("train", "--seq-len", "32", "--layers", "2", "--no-progress", "--seed", "5", "--warmup-steps", "1",
+       "--micro-batch", "4")
+
+
+def test_a_resume_keeps_evaluating_and_keeps_the_saved_steps(tmp_path):
+    r = ultrascale(*RUN, "--steps", "2", "--eval-every", "1", "--eval-batches", "1", "--save", "ck",
+                   "--save-every", "1", "--keep-last", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = ultrascale(*RUN, "--resume", "ck", "--steps", "4", "--save", "ck", "--log-jsonl", "log.jsonl", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in open(tmp_path / "log.jsonl") if line.strip()]
+    steps = [row for row in rows if "loss" in row]
+    assert [row["step"] for row in steps] == [3, 4] and all("val_loss" in row for row in steps), rows
+    # --keep-last 2 and --save-every 1 came back: steps 3 and 4 kept, and nothing the first run kept was
+    # deleted before this run had saved newer ones
+    assert sorted(os.listdir(tmp_path / "ck")) == ["step-000003", "step-000004"], os.listdir(tmp_path / "ck")
