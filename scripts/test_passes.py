@@ -46,6 +46,14 @@ def slowest(files: list[tuple[str, str]], n: int = 15) -> list[tuple[float, str]
     return sorted(found, reverse=True)[:n]
 
 
+def costliest(files: list[tuple[str, str]], n: int = 10) -> list[tuple[float, str]]:
+    per_file: dict[str, float] = {}
+    for took, test in slowest(files, n=10 ** 9):
+        name = test.split("::", 1)[0]
+        per_file[name] = per_file.get(name, 0.0) + took
+    return sorted(((t, f) for f, t in per_file.items()), reverse=True)[:n]
+
+
 def main(python: str) -> int:
     status, times, junit = 0, [], []
     with tempfile.TemporaryDirectory(prefix="ultrascale-test-") as tmp:
@@ -66,6 +74,9 @@ def main(python: str) -> int:
         print("== the 15 slowest tests")
         for took, test in slowest(junit):
             print(f"  {took:7.1f} s  {test}")
+        print("== the 10 costliest files (all their tests, every pass)")
+        for took, file in costliest(junit):
+            print(f"  {took:7.1f} s  {file}")
     return status
 
 

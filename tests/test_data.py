@@ -603,3 +603,63 @@ def test_tokenizer_directory_without_a_tokenizer(no_network, tmp_path):
     write(tmp_path / "broken" / "tokenizer.json", "not json at all")
     with pytest.raises(ConfigError, match="cannot load a tokenizer"):
         load_tokenizer(str(tmp_path / "broken"))
+
+
+def test_a_run_on_a_corpus_prepared_with_a_tokenizer_keeps_that_tokenizer(no_network, tokenizer_dir, tmp_path,
+                                                                          capsys):
+    """The corpus names its tokenizer; the run records it (its directory and its files' hash), and
+    generate and export read it back: words, not bytes, and the tokenizer's files beside the weights."""
+    from ultrascale.cli import main
+
+    path, raw = tokenizer_dir
+    for i in range(40):
+        write(tmp_path / "src" / f"{i}.txt", " ".join(SENTENCES[(i + k) % 3] for k in range(6)))
+    assert main(["data", "prepare", str(tmp_path / "src"), str(tmp_path / "bpe"), "--tokenizer", path,
+                 "--val-fraction", "0.2"]) == 0
+    ck = str(tmp_path / "ck")
+    args = ["train", "--data", str(tmp_path / "bpe"), "--layers", "2", "--seq-len", "8", "--micro-batch", "4",
+            "--steps", "3", "--no-progress"]
+    assert main([*args, "--save", ck]) == 0
+    meta = json.load(open(os.path.join(ck, "meta.json")))
+    assert meta["config"]["train"]["tokenizer"] == os.path.abspath(path)
+    assert meta["tokenizer"]["kind"] == "hf" and meta["tokenizer"]["sha256"] == load_tokenizer(path).identity["sha256"]
+    capsys.readouterr()
+    assert main(["generate", ck, "--prompt", "the cat", "--max-new-tokens", "4", "--no-stop-at-eos"]) == 0
+    text = capsys.readouterr().out
+    words = {w for s in SENTENCES for w in s.split()} | {"<unk>", "<eos>"}
+    new = text[len("the cat"):].split()  # the continuation, decoded by the corpus's tokenizer: its words
+    assert text.startswith("the cat") and "\ufffd" not in text and new and set(new) <= words, text
+    assert main(["export", "--hf", str(tmp_path / "out"), ck]) == 0
+    assert os.path.isfile(tmp_path / "out" / "tokenizer.json")
+    # another tokenizer than the corpus's is refused before the run, in one line
+    other = tmp_path / "other"
+    raw2 = type(raw).from_str(raw.to_str())
+    raw2.add_tokens(["zebra"])
+    import transformers
+
+    transformers.PreTrainedTokenizerFast(tokenizer_object=raw2, eos_token="<eos>").save_pretrained(str(other))
+    capsys.readouterr()
+    assert main([*args, "--tokenizer", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not the tokenizer --data" in err[0] and "was prepared with" in err[0], err
+    # and a tokenizer whose files changed since the run is named, not silently decoded with
+    shutil_copy = __import__("shutil").copytree
+    moved = tmp_path / "moved-ck"
+    shutil_copy(ck, moved)
+    meta["tokenizer"]["sha256"] = "0" * 64
+    with open(moved / "meta.json", "w") as f:
+        json.dump(meta, f)
+    assert main(["generate", str(moved), "--prompt", "the cat"]) == 2
+    assert "not the one the run trained with" in capsys.readouterr().err
+
+
+def test_a_text_source_skips_binary_files_and_says_so(tmp_path, capsys):
+    from ultrascale.cli import main
+
+    write(tmp_path / "src" / "a.py", "def f():\n    return 1\n" * 50)
+    write(tmp_path / "src" / "__pycache__" / "a.cpython-311.pyc", b"\x00\x01binary" * 100, binary=True)
+    assert main(["data", "prepare", str(tmp_path / "src"), str(tmp_path / "out"), "--val-fraction", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 binary file" in err and "a.cpython-311.pyc" in err, err
+    index = json.load(open(tmp_path / "out" / "index.json"))
+    assert index["splits"]["train"]["tokens"] == len("def f():\n    return 1\n" * 50) + 1  # the .py file and its EOS

@@ -2,7 +2,9 @@
 
   ultrascale export --hf OUT_DIR CHECKPOINT_DIR [--dtype fp32|bf16] [--tokenizer DIR] [--force]
 
-OUT_DIR then loads with `LlamaForCausalLM.from_pretrained(OUT_DIR)`: config.json,
+OUT_DIR then loads with `LlamaForCausalLM.from_pretrained(OUT_DIR)` (a Mixture-of-Experts
+model: `MixtralForCausalLM`, where its shape is one Mixtral computes; another is refused in one
+line naming what Mixtral lacks): config.json,
 model.safetensors, and the tokenizer files of the run's `--tokenizer` directory
 (a run on bytes has none to copy). Everything is checked before anything is
 written, the checkpoint's files against meta.json's sizes and checksums too;
@@ -35,13 +37,24 @@ def cmd_export(args) -> int:
     from ultrascale.parallel.precision import DTYPES
 
     check_out_dir(args.hf, args.force)
+    from ultrascale.train.resume import latest, read_meta
+
+    meta = read_meta(latest(args.checkpoint.rstrip("/") or "/"), what="checkpoint")  # meta.json: the shape
+    cfg = ModelConfig.from_dict(meta["config"]["model"])
+    if cfg.is_moe:
+        from ultrascale.model.hf import check_mixtral
+
+        check_mixtral(cfg)  # before any tensor is read
     run_config, state = read_full_state(args.checkpoint)
-    cfg = ModelConfig.from_dict(run_config["model"])
     tokenizer = args.tokenizer if args.tokenizer is not None else run_config["train"].get("tokenizer", "bytes")
     tokenizer_dir = None if tokenizer in ("", "bytes") else tokenizer
     if tokenizer_dir and not os.path.isdir(tokenizer_dir):
         raise ConfigError(f"tokenizer directory {tokenizer_dir} (the run's --tokenizer) is gone: pass "
                           f"--tokenizer DIR, or --tokenizer bytes to export without tokenizer files")
+    if tokenizer_dir and args.tokenizer is None:
+        from ultrascale.train.data import check_run_tokenizer
+
+        check_run_tokenizer(tokenizer_dir, meta.get("tokenizer"), f"checkpoint {args.checkpoint}")
     try:
         save_hf(cfg, state, args.hf, tokenizer_dir=tokenizer_dir, dtype=DTYPES[args.dtype], force=args.force)
     except OSError as e:

@@ -167,7 +167,7 @@ def cmd_generate(args) -> int:
     from ultrascale.model.config import ModelConfig
     from ultrascale.parallel.precision import DTYPES, check_dtype_support
     from ultrascale.train.checkpoint import trained_model
-    from ultrascale.train.data import load_tokenizer
+    from ultrascale.train.data import check_run_tokenizer, load_tokenizer
 
     device = pick_device(args.device)
     cfg = ModelConfig.from_dict(meta["config"]["model"])
@@ -176,6 +176,8 @@ def cmd_generate(args) -> int:
         if args.tokenizer is not None:
             raise ConfigError(f"--tokenizer {spec}: not a directory; give 'bytes' or a local tokenizer directory")
         raise ConfigError(f"tokenizer directory {spec} (the run's --tokenizer) is gone: pass --tokenizer DIR")
+    if args.tokenizer is None:
+        check_run_tokenizer(spec, meta.get("tokenizer"), f"checkpoint {args.checkpoint}")
     tokenizer = load_tokenizer(spec)
     prompt = tokenizer.encode(args.prompt)
     if len(prompt) == 0:

@@ -116,6 +116,8 @@ def to_hf_config(cfg: ModelConfig, dtype=None, **extra):
     cfg.validate()
     if dtype is not None:
         extra.setdefault(_transformers_dtype_key(), dtype)
+    if cfg.is_moe:
+        return _mixtral_config(cfg, **extra)
     return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
@@ -126,6 +128,57 @@ def to_hf_config(cfg: ModelConfig, dtype=None, **extra):
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
         architectures=["LlamaForCausalLM"], **extra,
     )
+
+
+def check_mixtral(cfg: ModelConfig) -> None:
+    """A Mixture-of-Experts shape transformers' MixtralForCausalLM computes exactly, or one line naming
+    what it lacks: experts in every block, softmax scores over all experts with the top k renormalised,
+    no shared expert, no router bias (a capacity factor is a training-time limit: Mixtral is dropless,
+    and so is our model on the few tokens it is asked for in a forward without one)."""
+    missing = [what for what, bad in (
+        (f"an MoE layer in every block (this model has one every {cfg.moe_every})", cfg.moe_every != 1),
+        (f"softmax router scores (this model: {cfg.router_score})", cfg.router_score != "softmax"),
+        ("the top-k scores renormalised to sum to 1 (this model: not)", not cfg.router_renorm),
+        (f"no shared expert (this model: one of width {cfg.shared_ffn})", bool(cfg.shared_ffn)),
+        ("no router bias (this model balances with --router-bias-rate, which changes the choice)",
+         bool(cfg.router_bias_rate)),
+    ) if bad]
+    if missing:
+        raise ConfigError(f"model {cfg.name}: transformers' MixtralForCausalLM needs {'; '.join(missing)}: it has "
+                          f"no class for this Mixture-of-Experts shape, so it is not exported")
+
+
+def _mixtral_config(cfg: ModelConfig, **extra):
+    from transformers import MixtralConfig
+
+    check_mixtral(cfg)
+    return MixtralConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.expert_ffn,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+        num_local_experts=cfg.experts, num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.aux_loss_coef,
+        output_router_logits=False, router_jitter_noise=0.0, sliding_window=None, attention_dropout=0.0,
+        initializer_range=cfg.init_std, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        architectures=["MixtralForCausalLM"], **extra,
+    )
+
+
+# Our MoE layer's tensors -> Mixtral's published layout (what transformers reads, and converts in 5.x):
+# the router as block_sparse_moe.gate, each expert's SwiGLU as w1 (gate), w3 (up), w2 (down).
+_MOE_TO_MIXTRAL = {"router.weight": "gate.weight", "experts.gate": "w1", "experts.up": "w3", "experts.down": "w2"}
+
+
+def _moe_to_hf(name: str, tensor) -> dict:
+    """{Mixtral name: tensor} of one of our MoE tensors (`layers.{i}.mlp.<part>`); stacked experts split."""
+    m = re.fullmatch(r"layers\.(\d+)\.mlp\.(.+)", name)
+    if m is None or m.group(2) not in _MOE_TO_MIXTRAL:
+        raise KeyError(name)
+    where = f"model.layers.{m.group(1)}.block_sparse_moe"
+    part = _MOE_TO_MIXTRAL[m.group(2)]
+    if part == "gate.weight":
+        return {f"{where}.gate.weight": tensor}
+    return {f"{where}.experts.{j}.{part}.weight": tensor[j] for j in range(tensor.shape[0])}
 
 
 def from_hf_config(hf_config, name: str = "hf", where: str = "config.json") -> ModelConfig:
@@ -278,7 +331,7 @@ def load_hf(path: str):
 
 def to_hf_state(cfg: ModelConfig, state: Mapping) -> dict:
     """{transformers name: tensor} of our {name: tensor}, checked against the model shape
-    (a tied model has no head: its lm_head is the embedding)."""
+    (a tied model has no head: its lm_head is the embedding); an MoE model's in Mixtral's layout."""
     expected = param_shapes(cfg)
     if set(state) != set(expected):
         wrong = sorted(set(state) ^ set(expected))
@@ -286,7 +339,13 @@ def to_hf_state(cfg: ModelConfig, state: Mapping) -> dict:
     for n, shape in expected.items():
         if tuple(state[n].shape) != shape:
             raise ValueError(f"{n} has shape {list(state[n].shape)}, model {cfg.name} needs {list(shape)}")
-    return {hf_name(n): state[n] for n in expected}
+    out = {}
+    for n in expected:
+        if cfg.is_moe and ".mlp." in n:
+            out.update(_moe_to_hf(n, state[n]))
+        else:
+            out[hf_name(n)] = state[n]
+    return out
 
 
 def save_hf(cfg: ModelConfig, state: Mapping, out_dir: str, tokenizer_dir: str | None = None,

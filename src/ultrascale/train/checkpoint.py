@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ultrascale.errors import ConfigError
 from ultrascale.train import integrity
+from ultrascale.train.data import tokenizer_identity
 from ultrascale.train.resume import FORMAT, put_back_old, read_meta
 
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
@@ -195,7 +196,8 @@ def save(path: str, trainer) -> None:
         if ctx.rank == 0:
             meta = {"format": FORMAT, "step": trainer.step, "optimizer_steps": trainer.optimizer_steps,
                     "world_size": ctx.world_size, "files": files,
-                    "config": trainer.cfg.to_dict(), **({"router_bias": biases} if biases else {}),
+                    "config": trainer.cfg.to_dict(), "tokenizer": tokenizer_identity(trainer.cfg.train.tokenizer),
+                    **({"router_bias": biases} if biases else {}),
                     **({"loss_scale": trainer.scaler.state_dict()} if trainer.scaler is not None else {})}
             _write_meta(os.path.join(tmp, "meta.json"), meta)
             _swap_in(path, tmp, old, trainer.step)

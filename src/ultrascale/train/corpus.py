@@ -122,15 +122,35 @@ def stdlib_files() -> list[str]:
 
 
 def text_files(spec: str) -> list[str]:
+    """The files a text source names, binary ones left out (binary_files says which)."""
+    return split_binary(spec)[0]
+
+
+def binary_files(spec: str) -> list[str]:
+    """The files of a directory or glob source that are not text (compiled bytecode, images, archives)."""
+    return split_binary(spec)[1]
+
+
+def is_binary(path: str) -> bool:
+    """git's rule: a NUL byte in the first 8,000 bytes (text in any encoding of ASCII has none);
+    parquet is a source format of its own."""
+    if path.endswith(".parquet"):
+        return False
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8000)
+
+
+def split_binary(spec: str) -> tuple[list[str], list[str]]:
     if os.path.isdir(spec):
         found = [os.path.join(d, f) for d, _, fs in os.walk(spec) for f in fs]
     elif os.path.isfile(spec):
-        found = [spec]
+        return [spec], []  # a file named alone is read as asked
     else:
         found = [p for p in globlib.glob(spec, recursive=True) if os.path.isfile(p)]
         if not found:
             raise ConfigError(f"--data {spec}: no such file, directory or matching glob")
-    return sorted(found)
+    binary = {p for p in found if is_binary(p)}
+    return sorted(set(found) - binary), sorted(binary)
 
 
 def _line_cuts(path: str, size: int, block: int) -> list[int]:

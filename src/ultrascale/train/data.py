@@ -406,6 +406,58 @@ def prepared_tokenizer(spec: str) -> dict:
     return read_index((parse_blend(spec) or [(1.0, spec)])[0][1])["tokenizer"]
 
 
+def tokenizer_spec(identity: dict) -> str:
+    """The --tokenizer that names a tokenizer identity: 'bytes', or its directory."""
+    return "bytes" if identity.get("kind", "bytes") == "bytes" else identity["path"]
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_identity(spec: str) -> dict:
+    """What the run's tokens mean, as a checkpoint records it: bytes, or a directory and its files' hash."""
+    return dict(corpus.tokenizer_for(spec).identity)
+
+
+def check_run_tokenizer(spec: str, identity: dict | None, what: str) -> None:
+    """A checkpoint's tokenizer, read back (generate, export): its directory there with the same files."""
+    if identity is None or identity.get("kind") != "hf":
+        return
+    if not os.path.isdir(spec):
+        raise ConfigError(f"tokenizer directory {spec} (the run's) is gone: pass --tokenizer DIR with the same files")
+    if not same_tokenizer(spec, identity):
+        raise ConfigError(f"{what}: the tokenizer in {spec} is not the one the run trained with (its files changed): "
+                          f"pass --tokenizer DIR with the run's files")
+
+
+def same_tokenizer(spec: str, identity: dict) -> bool:
+    """Whether the tokenizer `spec` names is the one of `identity` (a directory: by its files' hash)."""
+    if identity.get("kind", "bytes") == "bytes" or spec in ("", "bytes"):
+        return spec in ("", "bytes") and identity.get("kind", "bytes") == "bytes"
+    return os.path.isdir(spec) and corpus.HFTokenizer(spec).identity["sha256"] == identity.get("sha256")
+
+
+def resolve_tokenizer(t):
+    """The run's tokenizer: a prepared corpus's own (it was tokenized with it), which a --tokenizer
+    given must be; a raw source's --tokenizer as given. Refused in one line: another tokenizer than
+    the corpus's, or the corpus's directory gone with none given that holds the same files."""
+    from dataclasses import replace
+
+    if not t.data or not is_prepared_spec(t.data) or not all(is_prepared(p) for _, p in
+                                                              (parse_blend(t.data) or [(1.0, t.data)])):
+        return t
+    identity = prepared_tokenizer(t.data)
+    corpus_spec = tokenizer_spec(identity)
+    if t.tokenizer not in ("", "bytes", corpus_spec):
+        if not same_tokenizer(t.tokenizer, identity):
+            raise ConfigError(f"--tokenizer {t.tokenizer} is not the tokenizer --data {t.data} was prepared with "
+                              f"({identity['kind']}{' ' + identity.get('path', '') if identity['kind'] == 'hf' else ''}"
+                              f"): drop --tokenizer, the corpus names its own")
+        return t  # the same files in another directory
+    if corpus_spec != "bytes" and not os.path.isdir(corpus_spec):
+        raise ConfigError(f"--data {t.data} was prepared with the tokenizer in {corpus_spec}, which is gone: pass "
+                          f"--tokenizer DIR with the same files")
+    return replace(t, tokenizer=corpus_spec)
+
+
 def is_prepared_spec(spec: str) -> bool:
     return bool(spec) and (parse_blend(spec) is not None or is_prepared(spec) or os.path.isfile(
         os.path.join(spec, ".prepare.json")))

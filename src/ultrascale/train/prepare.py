@@ -153,6 +153,11 @@ def cmd_prepare(args) -> int:
     if not plan:
         raise ConfigError(f"{args.source}: no documents found")
     total_bytes = sum(s.size for s in segs)
+    skipped = corpus.binary_files(args.source) if args.source and not args.source.startswith("hf:") else []
+    if skipped:
+        print(f"{args.source}: skipped {len(skipped)} binary file{'s' if len(skipped) > 1 else ''} (a NUL byte in "
+              f"the first 8,000 bytes), e.g. {os.path.relpath(skipped[0], args.source if os.path.isdir(args.source) else '.')}",
+              file=sys.stderr)
     dtype = "uint16" if tok.vocab_size <= 2**16 else "uint32"
     settings = {"format": FORMAT, "source": args.source, "column": args.data_column, "split": args.data_split,
                 "tokenizer": dict(tok.identity), "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": dtype,

@@ -123,6 +123,8 @@ def check_resume(path: str, meta: dict, cfg) -> None:
             continue
         if k == "lr_decay_steps" and not here["train"][k]:
             continue  # not given: the checkpoint's (Trainer._resume takes it)
+        if k == "tokenizer" and saved["train"].get("data") == here["train"]["data"] and _prepared(here["train"]["data"]):
+            continue  # a prepared corpus names its own (a checkpoint before the run recorded it says "bytes")
         if k in saved["train"] and here["train"][k] != saved["train"][k]:
             other = (f", or add --override-schedule to continue it with this {_flag(k)}" if k in SCHEDULE
                      else " (or start a new one)")
@@ -173,7 +175,8 @@ def check_save_target(cfg) -> None:
         if differ and saved["model"].get("name") != here["model"].get("name"):
             differ.insert(0, ("model", saved["model"].get("name"), here["model"].get("name")))
         differ += [(k, saved["train"][k], here["train"][k]) for k in RUN_IDENTITY
-                   if k in saved["train"] and _same(k, saved["train"][k]) != _same(k, here["train"][k])]
+                   if k in saved["train"] and _same(k, saved["train"][k]) != _same(k, here["train"][k])
+                   and not (k == "tokenizer" and _prepared(here["train"]["data"]))]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         differ = [("meta.json", "unreadable", None)]
     if differ:
@@ -182,6 +185,12 @@ def check_save_target(cfg) -> None:
                 f"the checkpoint of another run ({k} {theirs!r}, this run {ours!r})")
         raise ConfigError(f"--save {t.save} holds {what}: add --overwrite to replace it, --save another directory, "
                           f"or --resume {t.save} to continue it")
+
+
+def _prepared(data: str) -> bool:
+    from ultrascale.train.data import is_prepared_spec
+
+    return is_prepared_spec(data)
 
 
 def _same(key: str, value):

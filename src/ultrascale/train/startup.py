@@ -20,6 +20,11 @@ from ultrascale.train.peak import check_peak
 
 def check_run(cfg: RunConfig, world_size: int) -> RunConfig:
     """Everything that can be found wrong before any process starts; the config with dp resolved."""
+    from dataclasses import replace
+
+    from ultrascale.train.data import resolve_tokenizer
+
+    cfg = replace(cfg, train=resolve_tokenizer(cfg.train))  # a prepared corpus's own, recorded with the run
     t = cfg.train
     cfg = validate(cfg, world_size)
     check_peak(t.peak, t.device, t.dtype)
