@@ -9,6 +9,7 @@ from ultrascale.config import ConfigError, ParallelConfig, RunConfig, TrainConfi
 from ultrascale.model import get_preset
 from ultrascale.testing.compare import FP32, check_against_single, compare_against_single, worst
 from ultrascale.testing.harness import run_distributed, worker_context
+from ultrascale.testing.cli import ultrascale as forked_ultrascale
 
 
 def _identity(x, counts):
@@ -138,7 +139,6 @@ def test_bad_expert_layouts_are_refused_before_any_process(model, parallel, worl
 
 
 def test_bad_moe_flags_exit_2_with_one_line(tmp_path):
-    import subprocess
     import sys
 
     for args, msg in ((["--model", "tiny-moe", "--top-k", "9"], "--top-k 9 must be within 1..8"),
@@ -146,8 +146,7 @@ def test_bad_moe_flags_exit_2_with_one_line(tmp_path):
                       (["--model", "tiny", "--nproc", "2", "--ep", "2"], "model tiny is dense"),
                       (["--model", "tiny-moe", "--nproc", "2", "--ep", "2", "--dispatch", "ring"], "--dispatch must"),
                       (["--model", "tiny-moe", "--experts", "6", "--nproc", "4", "--ep", "4"], "must divide the 6")):
-        r = subprocess.run([sys.executable, "-m", "ultrascale", "train", *args],
-                           capture_output=True, text=True, cwd=tmp_path)
+        r = forked_ultrascale("train", *args, cwd=tmp_path)  # forked from a warm server (testing/cli.py)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and msg in r.stderr, r.stderr
 
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from ultrascale.errors import ConfigError
+from ultrascale.testing.cli import ultrascale as forked_ultrascale
 from ultrascale.train.data import (
     InMemory,
     Source,
@@ -30,9 +29,8 @@ from ultrascale.train.data import (
 
 
 def ultrascale(*args, timeout=120):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "ultrascale", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    # a process of its own, forked from a server that imported torch once (testing/cli.py)
+    return forked_ultrascale(*args, timeout=timeout)
 
 
 def one_line_error(r, *words):

@@ -7,7 +7,6 @@ README adds is run here without anyone listing it.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -15,6 +14,8 @@ import subprocess
 import sys
 
 import pytest
+
+from ultrascale.testing.cli import forked
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 
@@ -65,28 +66,12 @@ def workdir(tmp_path_factory):
     return root
 
 
-# The single-process commands between two multi-process ones run in one interpreter, one after the
-# other, through the command's own entry point (ultrascale.cli.main) with the argv a shell makes of
-# the line: a new interpreter per line would cost a second or two each and test nothing more. A line
-# that needs a shell ($(...)) and every multi-process run (--nproc: its own launcher) go through bash.
-RUNNER = """
-import json, shlex, sys
-from ultrascale.cli import main
-codes = []
-for line in json.loads(sys.argv[1]):
-    argv = shlex.split(line)[1:]
-    sys.argv = ["ultrascale", *argv]  # as the console script sees it (a resumed run reads it again)
-    try:
-        codes.append(main(argv))
-    except SystemExit as e:
-        codes.append(e.code)
-    sys.stdout.flush()
-print("CODES " + json.dumps(codes))
-"""
-
-
-def _needs_own_process(command: str) -> bool:
-    return "--nproc" in command or "$(" in command
+# Each command runs in a process of its own with the argv a shell makes of the line, forked from a
+# server that imported torch once (ultrascale.testing.cli.forked): a new interpreter per line would
+# spend most of a tiny run importing torch and test nothing more. A line that needs a shell ($(...))
+# goes through bash.
+def _needs_a_shell(command: str) -> bool:
+    return "$(" in command
 
 
 # The flags whose value is a file or directory a command writes, and `data prepare SRC OUT`'s OUT.
@@ -154,26 +139,14 @@ def test_every_command_of_the_tour_runs_as_pasted(workdir, part):
     here = workdir / f"part{part}"
     here.mkdir()
     os.symlink(workdir / "path", here / "path")
-    batch: list[str] = []
-
-    def flush():
-        if not batch:
-            return
-        r = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(batch)], cwd=here, env=env,
-                           capture_output=True, text=True, timeout=600)
-        codes = json.loads(r.stdout.rsplit("CODES ", 1)[1]) if "CODES " in r.stdout else None
-        assert codes == [0] * len(batch), (batch, codes, r.stdout[-2000:], r.stderr[-2000:])
-        batch.clear()
-
     for command in commands:
-        if not _needs_own_process(command):
-            batch.append(command)
-            continue
-        flush()
-        r = subprocess.run(["bash", "-c", command], cwd=here, env=env, capture_output=True, text=True,
-                           timeout=240)
+        if _needs_a_shell(command):
+            r = subprocess.run(["bash", "-c", command], cwd=here, env=env, capture_output=True, text=True,
+                               timeout=240)
+        else:
+            argv = shlex.split(command.split("   #")[0].split("  # ")[0])
+            r = forked(["-m", "ultrascale", *argv[1:]], cwd=str(here), env=env, timeout=240)
         assert r.returncode == 0, (command, r.stdout[-2000:], r.stderr[-2000:])
-    flush()
     # what the commands wrote, as the tour says
     for command in commands:
         for name in _written(command):

@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, build_config
 from ultrascale.train import resume
+from ultrascale.testing.cli import ultrascale as forked_ultrascale
 
 TRAIN_FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
 
@@ -85,8 +84,8 @@ def test_the_layout_comes_with_the_checkpoint_unless_one_is_given():
 
 
 def ultrascale(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "ultrascale", *args], capture_output=True, text=True, cwd=cwd,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    # a process of its own, forked from a server that imported torch once (testing/cli.py)
+    return forked_ultrascale(*args, cwd=str(cwd), timeout=300)
 
 
 RUN = ("train", "--seq-len", "32", "--layers", "2", "--no-progress", "--seed", "5", "--warmup-steps", "1",
@@ -105,3 +104,32 @@ def test_a_resume_keeps_evaluating_and_keeps_the_saved_steps(tmp_path):
     # --keep-last 2 and --save-every 1 came back: steps 3 and 4 kept, and nothing the first run kept was
     # deleted before this run had saved newer ones
     assert sorted(os.listdir(tmp_path / "ck")) == ["step-000003", "step-000004"], os.listdir(tmp_path / "ck")
+
+
+def test_a_resumed_log_holds_each_step_once_and_plot_reads_a_torn_line(tmp_path):
+    # The run saved at step 2 and went on to step 3 before it stopped (its last line cut by the kill);
+    # resumed from step 2 into the same log, steps 3 and 4 are there once each, step 3 the resumed run's.
+    r = ultrascale(*RUN, "--steps", "3", "--save", "ck", "--save-every", "2", "--log-jsonl", "log.jsonl",
+                   cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    # the checkpoint at step 3 is the end of the run; the one to resume from is step 2's: keep it aside
+    r = ultrascale(*RUN, "--steps", "2", "--save", "ck2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    with open(tmp_path / "log.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 1.')  # torn
+    r = ultrascale("plot", "log.jsonl", "-o", "torn.png", cwd=tmp_path)
+    assert r.returncode == 0 and "the last line is cut short" in r.stderr, r.stderr
+    r = ultrascale(*RUN, "--resume", "ck2", "--steps", "4", "--log-jsonl", "log.jsonl", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "log.jsonl") if line.strip()]
+    assert steps == [1, 2, 3, 4], steps
+    r = ultrascale("plot", "log.jsonl", "-o", "runs.png", cwd=tmp_path)
+    assert r.returncode == 0 and not r.stderr, r.stderr
+
+
+def test_save_every_without_save_is_refused_before_the_run():
+    from ultrascale.config import validate
+    from ultrascale.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--save-every 2 without --save"):
+        validate(RunConfig(train=TrainConfig(save_every=2)), 1)

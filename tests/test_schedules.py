@@ -11,13 +11,12 @@ import dataclasses
 import itertools
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from ultrascale.config import LR_SCHEDULES, RunConfig, TrainConfig, validate
 from ultrascale.train.optim import lr_at
+from ultrascale.testing.cli import ultrascale as forked_ultrascale
 
 GRID = list(itertools.product(LR_SCHEDULES, (0, 1, 5), (7, 40, 100), (0.0, 0.1), (0.1, 0.5)))
 
@@ -70,9 +69,8 @@ def test_a_wrong_decay_is_seen_by_the_properties():
 
 
 def ultrascale(*args):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "ultrascale", *args], capture_output=True, text=True, env=env,
-                          timeout=180)
+    # a process of its own, forked from a server that imported torch once (testing/cli.py)
+    return forked_ultrascale(*args, timeout=180)
 
 
 def losses(path):

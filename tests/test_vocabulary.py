@@ -7,15 +7,13 @@ config.SYNONYMS), so a name added to one side without the other fails here.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 
 from ultrascale.cli import ALIASES, HELP_GROUPS, TRAIN_FLAGS, build_parser, help_group, parse_train_config
 from ultrascale.config import SYNONYMS, ConfigError, RunConfig, TrainConfig, ParallelConfig, validate
 from ultrascale.plan.cli import TRAIN_NAMES
+from ultrascale.testing.cli import ultrascale as forked_ultrascale
 
 VALUES = {"--dtype": "bf16", "--fp8": None, "--pp-schedule": "interleaved", "--pp-chunks": "2",
           "--moe-ffn-hidden": "32", "--nproc": "2"}
@@ -43,9 +41,8 @@ def test_the_two_commands_name_the_same_things_alike():
 
 
 def run_cli(*args):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "ultrascale", *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+    # a process of its own, forked from a server that imported torch once (testing/cli.py)
+    return forked_ultrascale(*args, timeout=120)
 
 
 def test_plan_reads_trains_names_to_the_same_plan():

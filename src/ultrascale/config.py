@@ -222,6 +222,9 @@ def validate(cfg: RunConfig, world_size: int) -> RunConfig:
         raise ConfigError(f"--seed and --weight-decay must be >= 0, got {t.seed} and {t.weight_decay:g}")
     if t.save_every < 0:
         raise ConfigError(f"--save-every must be 0 (off) or positive, got {t.save_every}")
+    if t.save_every and not t.save:
+        raise ConfigError(f"--save-every {t.save_every} without --save: there is nowhere to save; add --save DIR "
+                          f"or drop --save-every")
     if t.keep_last < 0 or (t.keep_last and not t.save):
         raise ConfigError(f"--keep-last {t.keep_last}: give a positive number of checkpoints with --save DIR "
                           f"(each save goes into DIR/step-NNNNNN)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from ultrascale.errors import ConfigError
 
@@ -29,16 +30,25 @@ def read_steps(path: str) -> list[dict]:
         raise ConfigError(f"{path}: no such file; write one with `ultrascale train --log-jsonl FILE`")
     rows = []
     with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
+        lines = f.read().split("\n")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines):  # no newline after it: the last line, cut by a run that was killed
+                print(f"warning: {path}:{i}: the last line is cut short (a run killed while writing it): "
+                      f"read without it", file=sys.stderr)
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise ConfigError(f"{path}:{i}: not a JSON line; give a file written by "
-                                  f"`ultrascale train --log-jsonl FILE`") from None
-            if isinstance(row, dict) and {"step", "loss", "tokens_per_s", "memory"} <= row.keys():
-                rows.append(row)
+            raise ConfigError(f"{path}:{i}: not a JSON line; give a file written by "
+                              f"`ultrascale train --log-jsonl FILE`") from None
+        if isinstance(row, dict) and {"step", "loss", "tokens_per_s", "memory"} <= row.keys():
+            rows.append(row)
+    # A run resumed from an earlier checkpoint than its last step, logging into the same file: each
+    # step's latest row (a resumed run's log is straightened when it starts; older files may repeat).
+    rows = list({row["step"]: row for row in rows}.values())
+    rows.sort(key=lambda row: row["step"])
     if not rows:
         raise ConfigError(f"{path}: no step records; give a file written by `ultrascale train --log-jsonl FILE`")
     return rows
@@ -73,8 +83,12 @@ def cmd_plot(args) -> int:
               ("memory per rank (MiB)", memory_mib)]
     for ax, (title, value) in zip(axes, panels):
         for rows, label in zip(runs, labels):
-            ax.plot([r["step"] for r in rows], [value(r) for r in rows], marker="." if len(rows) < 50 else None,
-                    label=label)
+            line, = ax.plot([r["step"] for r in rows], [value(r) for r in rows],
+                            marker="." if len(rows) < 50 else None, label=label)
+            evals = [r for r in rows if r.get("val_loss") is not None]
+            if title == "loss" and evals:  # the validation loss beside the training loss, same colour
+                ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], linestyle="--", marker="o",
+                        markersize=3, color=line.get_color(), label=f"{label} (validation)")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

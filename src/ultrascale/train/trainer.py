@@ -407,6 +407,30 @@ class Trainer:
         self.step = checkpoint.load(path, self)
 
 
+def keep_steps_up_to(path: str, step: int) -> None:
+    """A resumed run logging into an existing file: the rows past the checkpoint's step (the steps the
+    interrupted run made after its last save, made again now) and a last line the kill cut short are
+    dropped, the file replaced whole (a kill here leaves the old file or the new one)."""
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    kept = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the torn last line
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or row["step"] <= step:
+            kept.append(line)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
 class _Log:
     """Per-step output of the logging rank: a line (or a progress bar), the JSONL file, TensorBoard and
     W&B (train/loggers.py: the same scalars, and the run's configuration once)."""
@@ -424,6 +448,8 @@ class _Log:
             self.wandb = WandbRun(t.wandb, cfg.to_dict() if cfg is not None else {})
         if t.log_jsonl:
             os.makedirs(os.path.dirname(os.path.abspath(t.log_jsonl)), exist_ok=True)
+            if t.resume:
+                keep_steps_up_to(t.log_jsonl, first_step)
             self.jsonl = open(t.log_jsonl, "a" if t.resume else "w")
         if t.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
