@@ -256,7 +256,7 @@ class Transformer(nn.Module):
         self._fill_rope()
         for name, b in self.named_buffers():
             if name.endswith("router_bias"):  # a trained model's biases come with its weights
-                b.copy_(source[name]) if source is not None and name in source else b.zero_()
+                b.copy_(source[name] if source is not None and name in source else torch.zeros_like(b))
         for name, p in self.named_parameters():
             shape = getattr(p, "full_shape", p.shape)
             if source is None:

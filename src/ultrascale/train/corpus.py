@@ -74,14 +74,7 @@ class HFTokenizer:
     @property
     def identity(self) -> dict:
         """What the tokens mean: the directory's files, hashed (a prepared corpus keeps this)."""
-        h = hashlib.sha256()
-        for name in sorted(os.listdir(self.path)):
-            full = os.path.join(self.path, name)
-            if os.path.isfile(full):
-                h.update(name.encode() + b"\0")
-                with open(full, "rb") as f:
-                    h.update(f.read())
-        return {"kind": "hf", "path": os.path.abspath(self.path), "sha256": h.hexdigest(),
+        return {"kind": "hf", "path": os.path.abspath(self.path), "sha256": directory_sha256(self.path),
                 "vocab_size": self.vocab_size}
 
     def encode_np(self, text: str) -> np.ndarray:
@@ -89,6 +82,18 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
+
+
+def directory_sha256(path: str) -> str:
+    """The SHA-256 of a tokenizer directory's files, names and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if os.path.isfile(full):
+            h.update(name.encode() + b"\0")
+            with open(full, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
 
 
 def tokenizer_for(spec: str):

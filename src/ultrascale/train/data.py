@@ -432,7 +432,7 @@ def same_tokenizer(spec: str, identity: dict) -> bool:
     """Whether the tokenizer `spec` names is the one of `identity` (a directory: by its files' hash)."""
     if identity.get("kind", "bytes") == "bytes" or spec in ("", "bytes"):
         return spec in ("", "bytes") and identity.get("kind", "bytes") == "bytes"
-    return os.path.isdir(spec) and corpus.HFTokenizer(spec).identity["sha256"] == identity.get("sha256")
+    return os.path.isdir(spec) and corpus.directory_sha256(spec) == identity.get("sha256")  # the files, unloaded
 
 
 def resolve_tokenizer(t):
