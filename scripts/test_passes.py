@@ -54,10 +54,22 @@ def costliest(files: list[tuple[str, str]], n: int = 10) -> list[tuple[float, st
     return sorted(((t, f) for f, t in per_file.items()), reverse=True)[:n]
 
 
+def settle(limit: float = 120.0, below: float = 1.5) -> None:
+    """Before the paced pass: wait until what the pass before it left running has ended (its pooled
+    ranks and fork servers exit after it), the 1-minute load average under `below`, or `limit` s."""
+    start = time.perf_counter()
+    while os.getloadavg()[0] >= below and time.perf_counter() - start < limit:
+        time.sleep(2)
+    print(f"== waited {time.perf_counter() - start:.0f} s for the machine to settle (load "
+          f"{os.getloadavg()[0]:.2f})", flush=True)
+
+
 def main(python: str) -> int:
     status, times, junit = 0, [], []
     with tempfile.TemporaryDirectory(prefix="ultrascale-test-") as tmp:
         for i, (name, env, args) in enumerate(PASSES):
+            if name == "paced":
+                settle()
             xml = os.path.join(tmp, f"pass{i}.xml")
             start = time.perf_counter()
             rc = subprocess.call([python, "-m", "pytest", "-q", *args, f"--junitxml={xml}"],
