@@ -2,15 +2,11 @@
 
   python scripts/test_passes.py PYTHON
 
-1. every test but the paced ones, on two pytest-xdist workers (a file, a notebook or a part of the
-   README's tour to a worker at a time: tests/conftest.py);
-2. the paced ones (a recorded pipeline timeline against its simulation), alone: beside another test
-   process's ranks a waiting rank wakes tens of milliseconds late, which the timeline shows as bubble;
-3. the equivalence tests and the notebooks whose figures or kernels depend on the CPU's kernel set,
+1. every test, on two pytest-xdist workers (a file, a notebook or a part of the README's tour to a
+   worker at a time: tests/conftest.py);
+2. the equivalence tests and the notebooks whose figures or kernels depend on the CPU's kernel set,
    again under the lowest set (ATEN_CPU_CAPABILITY=default), whose summation orders differ most
    from any machine's own: a bound that holds on one CPU only fails here, not on the next machine.
-   (The paced notebooks' figures are a timeline and the simulator's arithmetic: no kernel set
-   changes them, and they are not run again.)
 
 Each pass's time is printed as it ends, then all of them and the 15 slowest tests (from the JUnit
 files pytest writes), so a slow machine shows where the time went. The exit status is the first
@@ -27,10 +23,9 @@ import time
 import xml.etree.ElementTree as ET
 
 PASSES = [  # (name, extra environment, pytest arguments)
-    ("main", {}, ["-n", "2", "--dist", "loadgroup", "-m", "not paced"]),
-    ("paced", {}, ["-p", "no:cacheprovider", "-m", "paced"]),
+    ("main", {}, ["-n", "2", "--dist", "loadgroup"]),
     ("default kernels", {"ATEN_CPU_CAPABILITY": "default"},
-     ["-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-m", "(equivalence or rounding) and not paced"]),
+     ["-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-m", "equivalence or rounding"]),
 ]
 
 
@@ -54,22 +49,10 @@ def costliest(files: list[tuple[str, str]], n: int = 10) -> list[tuple[float, st
     return sorted(((t, f) for f, t in per_file.items()), reverse=True)[:n]
 
 
-def settle(limit: float = 120.0, below: float = 1.5) -> None:
-    """Before the paced pass: wait until what the pass before it left running has ended (its pooled
-    ranks and fork servers exit after it), the 1-minute load average under `below`, or `limit` s."""
-    start = time.perf_counter()
-    while os.getloadavg()[0] >= below and time.perf_counter() - start < limit:
-        time.sleep(2)
-    print(f"== waited {time.perf_counter() - start:.0f} s for the machine to settle (load "
-          f"{os.getloadavg()[0]:.2f})", flush=True)
-
-
 def main(python: str) -> int:
     status, times, junit = 0, [], []
     with tempfile.TemporaryDirectory(prefix="ultrascale-test-") as tmp:
         for i, (name, env, args) in enumerate(PASSES):
-            if name == "paced":
-                settle()
             xml = os.path.join(tmp, f"pass{i}.xml")
             start = time.perf_counter()
             rc = subprocess.call([python, "-m", "pytest", "-q", *args, f"--junitxml={xml}"],

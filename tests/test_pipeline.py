@@ -128,10 +128,11 @@ def test_a_deadlocking_schedule_is_caught():
 
 
 # -- the runtime against one process ------------------------------------------------
-def config(world, pp, name, m, v=1, tp=1, zero=0, steps=2):
+def config(world, pp, name, m, v=1, tp=1, zero=0, steps=2, pp_trace=""):
     p = ParallelConfig(dp=world // (pp * tp), pp=pp, tp=tp, pp_schedule=name, pp_chunks=v, zero=zero,
                        bucket_mb=0.05)
-    t = TrainConfig(steps=steps, seq_len=16, micro_batch=1, grad_accum=m, seed=11, progress=False)
+    t = TrainConfig(steps=steps, seq_len=16, micro_batch=1, grad_accum=m, seed=11, progress=False,
+                    pp_trace=pp_trace)
     return RunConfig(model=get_preset("tiny", layers=8), parallel=p, train=t)
 
 
@@ -185,6 +186,43 @@ def test_dualpipe_v_reducing_gradients_too_early_fails_the_check():
     c = compare_against_single(_label(4, 2, "dualpipev", 5, 2, 1, 0), cfg, 4,
                                fault="pp-sync-at-last-b-or-i-and-last-w")[0]
     assert c.failures(FP32), f"the check passed DualPipeV with gradients reduced too early: {c.line()}"
+
+
+# -- the schedule's clock of a recorded step ------------------------------------------
+CLOCKED = [  # (world, pp, schedule, m, v): every schedule on 4 stages, and one with dp 2 beside it
+    (4, 4, "naive", 3, 1), (4, 4, "afab", 8, 1), (4, 4, "1f1b", 8, 1), (4, 4, "interleaved", 8, 2),
+    (4, 4, "zero-bubble", 8, 1), (4, 4, "dualpipev", 8, 2), (4, 2, "1f1b", 5, 1),
+]
+
+
+def clocked_step(tmp_path, world, pp, name, m, v, fault=None):
+    """The compute actions of a recorded step on the runtime's schedule clock, and the simulator's."""
+    from ultrascale.parallel.pipeline import draw
+
+    path = tmp_path / "trace.json"
+    cfg = validate(config(world, pp, name, m, v, steps=1, pp_trace=str(path)), world)
+    train_parallel(cfg, world, fault=fault)
+    got = [[(a, s, e) for a, k, s, e in rank if k in "FBIW"]
+           for rank in draw.trace_spans(draw.read_trace(path), clock=True)]
+    tl = simulate(schedule(name, pp, m, v), pp, v, vshape=v_shaped(name))
+    return got, [[(repr(a), s, e) for a, s, e in rank] for rank in tl.spans]
+
+
+@pytest.mark.parametrize("world,pp,name,m,v", CLOCKED, ids=[f"pp{pp}-{n}-m{m}" + (f"-dp{w // pp}" if w > pp else "")
+                                                           for w, pp, n, m, v in CLOCKED])
+def test_a_recorded_step_on_the_schedules_clock_is_the_simulated_step(tmp_path, world, pp, name, m, v):
+    # Each action at its unit cost, each message carrying its sender's clock: the runtime waits on
+    # exactly what the simulator assumes, action for action (sums of 1s and 2s: exact in floats).
+    got, simulated = clocked_step(tmp_path, world, pp, name, m, v)
+    assert got == simulated
+
+
+def test_the_schedules_clock_shows_a_runtime_playing_another_schedule(tmp_path):
+    # AFAB played where 1F1B was asked trains the same losses with the same bubble: only the
+    # timeline shows that every forward ran before the first backward.
+    got, simulated = clocked_step(tmp_path, 4, 4, "1f1b", 8, 1, fault="pp-1f1b-played-as-afab")
+    assert got != simulated
+    assert [a for a, _, _ in got[0]][:9] == [f"F{i}" for i in range(8)] + ["B0"], got[0]
 
 
 def test_split_with_fewer_blocks_on_the_first_and_last_stages():

@@ -37,15 +37,14 @@ NOTEBOOK_FILES = sorted(glob.glob(os.path.join(NOTEBOOKS, "[0-9]*_*.ipynb")), ke
 
 def cases(path) -> dict:
     """tests/notebook_cases/N_topic.py: PRINTED, the lines the notebook must print from its own runs, and
-    PACED, whether it times a run whose waits must not be stretched by other work on the machine."""
+    KERNELS, whether its cells take another path under another kernel set."""
     case = os.path.join(CASES, _stem(path) + ".py")
     if not os.path.exists(case):
-        return {"PRINTED": [], "PACED": False, "KERNELS": False}
+        return {"PRINTED": [], "KERNELS": False}
     spec = importlib.util.spec_from_file_location(f"case_{_stem(path)}", case)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return {"PRINTED": list(getattr(module, "PRINTED", [])), "PACED": bool(getattr(module, "PACED", False)),
-            "KERNELS": bool(getattr(module, "KERNELS", False))}
+    return {"PRINTED": list(getattr(module, "PRINTED", [])), "KERNELS": bool(getattr(module, "KERNELS", False))}
 
 
 class _Runs(dict):
@@ -76,14 +75,13 @@ def _measures(path) -> bool:
 # `make test`): a pin closer than that run's rounding fails on the developer's machine first. The
 # others print words and the planner's arithmetic, which no kernel set changes; their exercises are
 # checked against runs on the same machine, in the same kernels. The paced pipeline runs (Parts 11 and
-# 12) compare a recorded timeline with the simulator's: beside another test process and its ranks, the
-# wake-up of a waiting rank takes tens of milliseconds instead of a few, so `make test` runs them alone.
+# 12) pin their bubbles on the engine's schedule clock, which no load stretches; their seconds are printed,
+# not pinned (a timing is a benchmark's, docs/benchmarks.md).
 # KERNELS: a notebook whose cells take another path under another kernel set (bf16 attention: torch's
 # CPU flash kernel, or the math kernel where flash cannot run, parallel/precision.py) says which it took,
 # and runs again under the lowest set too.
 BY_KERNELS = [pytest.param(p, id=_stem(p), marks=([pytest.mark.rounding] if _measures(p) or cases(p)["KERNELS"]
                                                   else [])
-                           + ([pytest.mark.paced] if cases(p)["PACED"] else [])
                            # a notebook's run and the tests that read it: one unit, on either worker
                            + [pytest.mark.xdist_group(f"notebook-{_stem(p)}"), pytest.mark.long])
               for p in NOTEBOOK_FILES]

@@ -171,7 +171,8 @@ def paced_training(cfg, unit):
 
 def run(name, v, world=WORLD):
     """Train 2 steps on `world` ranks, step 2 paced (one process when world is 1, not paced); every
-    rank's record, the recorded timeline of step 2, and the real compute time of its actions by kind."""
+    rank's record, the recorded step 2 (its timeline in seconds and on the engine's schedule clock), and
+    the real compute time of its actions by kind."""
     trace = os.path.join(OUT, f"{name}.json") if world > 1 else ""
     parallel = ParallelConfig(pp=world, pp_schedule=name, pp_chunks=v) if world > 1 else ParallelConfig()
     train = TrainConfig(steps=2, seq_len=128, micro_batch=2 if world > 1 else 2 * M,
@@ -181,8 +182,7 @@ def run(name, v, world=WORLD):
         return [train_on(cfg, 1)], None, None
     ranks = on_ranks(world, paced_training, cfg, UNIT)
     computed = {kind: [t for _, times in ranks for t in times[kind]] for kind in "FBIW"}
-    spans = [[(x["action"], x["kind"], x["start"], x["end"]) for x in rank] for rank in draw.read_trace(trace)["ranks"]]
-    return [record for record, _ in ranks], spans, computed
+    return [record for record, _ in ranks], draw.read_trace(trace), computed
 
 
 single, _, _ = run("1f1b", 1, world=1)
@@ -204,7 +204,7 @@ for name, v in RUNS.items():
     planned = os.path.join(OUT, f"{name}_simulated.png")
     draw.draw(draw.spans_from_timeline(tl), f"{label}: simulated, bubble {tl.bubble_ratio:.3f}", planned)
     # The same schedule as it ran: the engine's recorded step 2, in seconds.
-    spans = results[name][1]
+    spans = draw.trace_spans(results[name][1])
     recorded = os.path.join(OUT, f"{name}_recorded.png")
     draw.draw(spans, f"{label}: recorded, bubble {draw.measured_bubble_ratio(spans):.3f}", recorded)
     display(Image(filename=planned), Image(filename=recorded))
@@ -224,7 +224,8 @@ def mean_ms(times):
 
 
 for name, v in RUNS.items():
-    records, spans, computed = results[name]
+    records, trace, computed = results[name]
+    spans, clocked = draw.trace_spans(trace), draw.trace_spans(trace, clock=True)   # seconds; the engine's clock
     # The simulator at the paced costs: F = I = W = UNIT per stage, a chunk a v-th of it.
     sim = simulate(schedule(name, WORLD, M, v), WORLD, v, t_f=UNIT / v, t_b=UNIT / v, t_w=UNIT / v,
                    vshape=name == "dualpipev")
@@ -232,7 +233,8 @@ for name, v in RUNS.items():
     step = max(e for rank in spans for *_, e in rank) - min(s for rank in spans for _, _, s, _ in rank)
     took = ", ".join(f"{kind} {mean_ms(lasted[kind]):.0f} ms" for kind in "FBIW" if lasted[kind])
     real = ", ".join(f"{kind} {mean_ms(computed[kind]):.1f}" for kind in "FBIW" if computed[kind])
-    print(f"{name:11s}: bubble simulated {sim.bubble_ratio:.3f}, measured {draw.measured_bubble_ratio(spans):.3f}"
+    print(f"{name:11s}: bubble simulated {sim.bubble_ratio:.3f}, on the engine's clock "
+          f"{draw.measured_bubble_ratio(clocked):.3f}, measured {draw.measured_bubble_ratio(spans):.3f}"
           f"   (mean {took}; computing {real} ms; step {1e3 * (step - sim.makespan):.0f} ms longer than simulated)")
 for name, v in RUNS.items():
     acts = [f"{r.memory[-1]['activations'] / 2**20:.1f}" for r in results[name][0]]
@@ -376,10 +378,15 @@ input gradients green, weight gradients red), idle time blank.
             md(r'''
 The bubble of each recorded step beside the simulator's at the paced costs (the mean duration of each
 kind of action shows the pacing held; "computing" is the part of it the real layers took), then the
-activations each rank held at its peak (the engine's meter, from F to B or I). Measured and simulated
-agree within a few hundredths: what the measurement adds, the tens of milliseconds by which each step
-outlasts the simulated one, is the time of the messages and of waking a waiting process, small against
-`UNIT` = 250 ms. That is also the price interleaving pays $v$ times over: with the real chunks of a few
+activations each rank held at its peak (the engine's meter, from F to B or I). Between the two, the
+bubble on the engine's **schedule clock**, recorded beside the seconds (`--pp-trace`): a Lamport clock in
+which every action lasts its unit cost and every message carries the clock its sender was at. Made by
+the runtime's real order of actions and the messages it really waited for, it cannot be stretched by the
+machine, and it equals the simulator's: the runtime waits on nothing the schedule does not (for
+DualPipeV, each pair's posted receive is waited for only after the forward). The seconds agree within a
+few hundredths on a quiet machine: what they add, the tens of milliseconds by which each step outlasts
+the simulated one, is the time of the messages and of waking a waiting process, small against
+`UNIT` = 250 ms, and more when other work shares the cores. That is also the price interleaving pays $v$ times over: with the real chunks of a few
 milliseconds printed as "computing", the messages would weigh as much as the compute, so interleave
 only where a chunk's compute is large against a message. Its memory price shows on every rank: more
 activations held than under 1F1B.

@@ -1,21 +1,14 @@
 """Cases for Part 12: lines the notebook must print from its own runs (the wrong answers to its
 exercises are in tests/course/test_part12_interleaved_and_zero_bubble.py)."""
 
-from printed import Close
-
-# The bubble measured on the engine's paced step 2 must agree with the simulator's at the paced costs
-# within this much (an absolute difference of bubble ratios): each message and each wake of a waiting
-# process adds a few milliseconds per hop against actions of 250 ms (measured on 2 shared cores under a
-# load of 6: 0.011 to 0.021 above the simulator; run inside the whole test suite, two test processes
-# with ranks of their own beside it, DualPipeV's half-length chunks once 0.045 above).
-WITHIN = 0.06
-# Measured alone on the machine (`make test` runs paced notebooks after the parallel pass, one at a time).
-PACED = True
+# The bubble on the engine's schedule clock (each action its unit cost, each message its sender's
+# clock: parallel/pipeline/runtime.py) is the simulator's exactly; the one measured in seconds adds the
+# messages' time and the machine's load, a timing, printed and not pinned.
 
 
-def agrees(name: str, simulated: float) -> Close:
-    """The line of `name`'s bubble, measured within WITHIN of the simulated one (which must print exactly)."""
-    return Close(f"{name:11s}: bubble simulated {simulated:.3f}, measured {simulated:.3f}", rel=WITHIN / simulated)
+def agrees(name: str, simulated: float) -> str:
+    """The line of `name`'s bubble up to its measured seconds: the simulator's and the engine's clock's equal."""
+    return f"{name:11s}: bubble simulated {simulated:.3f}, on the engine's clock {simulated:.3f}, measured "
 
 
 PRINTED = [

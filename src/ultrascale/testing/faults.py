@@ -40,6 +40,9 @@ FAULTS = {
     # DualPipeV (parallel/pipeline/runtime.py): the rule ZB-H1 can live with, wrong when a chunk mixes B and I.
     "pp-sync-at-last-b-or-i-and-last-w": "data-parallel reduction launched at each chunk's last B or I and its "
                                          "last W, though a full B may follow that W (or a W that B)",
+    # A timing fault, invisible to the losses: what the schedule's clock of a recorded step must show.
+    "pp-1f1b-played-as-afab": "1F1B configured, the runtime playing AFAB's action lists: the same losses, "
+                              "every micro-batch's activations held",
     # fp16 loss scaling (train/loss_scale.py). The first is a condition, not a bug: the engine must skip
     # the step on every rank; the second adds the bug of deciding the skip on each rank alone.
     "fp16-inf-on-last-rank": "the first step's gradient overflows on the last rank only",
@@ -311,6 +314,13 @@ def _sync_at_last_b_or_i_and_last_w():
     return mock.patch.object(PipelineRuntime, "_last_backwards", last_backwards)
 
 
+def _1f1b_played_as_afab():
+    from ultrascale.parallel.pipeline import runtime
+
+    build = runtime.schedule
+    return mock.patch.object(runtime, "schedule", lambda name, *a: build("afab" if name == "1f1b" else name, *a))
+
+
 def _fp16_scale_times_dp_cp():
     from ultrascale.train.trainer import Trainer
 
@@ -370,6 +380,7 @@ _PATCHES = {
     "fp16-inf-on-last-rank": lambda: _wrap_build_grads(_inf_on_last_rank),
     "fp16-skip-decided-locally": _skip_decided_locally,
     "pp-sync-at-last-b-or-i-and-last-w": _sync_at_last_b_or_i_and_last_w,
+    "pp-1f1b-played-as-afab": _1f1b_played_as_afab,
     "offload-stale-moment": _stale_moment,
     "fp16-scale-times-dp-cp": _fp16_scale_times_dp_cp,
     "adam-steps-from-training-step": _adam_steps_from_training_step,

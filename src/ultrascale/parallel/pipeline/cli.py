@@ -45,10 +45,15 @@ def cmd_pp_schedule(args) -> int:
         if not os.path.isfile(args.trace):
             raise ConfigError(f"--trace {args.trace}: no such file; write one with the train command's --pp-trace FILE")
         trace = draw.read_trace(args.trace)
-        spans = [[(x["action"], x["kind"], x["start"], x["end"]) for x in rank] for rank in trace["ranks"]]
+        spans = draw.trace_spans(trace)
         ratio = draw.measured_bubble_ratio(spans)
         name, p, v = trace["schedule"], trace["pp"], trace["chunks"]
         print(f"recorded {name}: pp {p}, chunks {v}: measured bubble ratio {ratio:.4f}")
+        if all("clock" in x for rank in trace["ranks"] for x in rank):
+            # What the runtime's order and its messages alone make of the step, whatever the load.
+            clocked = draw.measured_bubble_ratio(draw.trace_spans(trace, clock=True))
+            print(f"on the schedule's clock (each action its unit cost, each message its sender's clock): "
+                  f"bubble ratio {clocked:.4f}")
         title = f"{name}, pp={p}" + (f", v={v}" if v > 1 else "") + f": measured bubble {ratio:.3f}"
     else:
         from ultrascale.config import PP_SCHEDULE_ALIASES

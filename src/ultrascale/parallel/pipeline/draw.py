@@ -34,9 +34,19 @@ def read_trace(path: str) -> dict:
         return json.load(f)
 
 
+def trace_spans(trace: dict, clock: bool = False) -> list[list[tuple]]:
+    """[(label, kind, start, end)] per rank of a recorded step: in seconds (wall clock), or on the
+    schedule's clock (the runtime's Lamport clock at the simulator's unit costs; runtime.py)."""
+    if not clock:
+        return [[(x["action"], x["kind"], x["start"], x["end"]) for x in rank] for rank in trace["ranks"]]
+    return [[(x["action"], x["kind"], *x["clock"]) for x in rank] for rank in trace["ranks"]]
+
+
 def write_trace(path: str, schedule: str, p: int, v: int, spans: list[list[tuple]]) -> None:
+    """spans: per rank, (action, kind, start, end[, clock start, clock end])."""
     data = {"schedule": schedule, "pp": p, "chunks": v,
-            "ranks": [[{"action": a, "kind": k, "start": s, "end": e} for a, k, s, e in rank] for rank in spans]}
+            "ranks": [[{"action": x[0], "kind": x[1], "start": x[2], "end": x[3], **({"clock": list(x[4:6])} if len(x) > 4 else {})}
+                       for x in rank] for rank in spans]}
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")

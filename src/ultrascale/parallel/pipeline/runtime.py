@@ -7,6 +7,15 @@ gradient even when both travel between the same two ranks (interleaving wraps
 around from the last rank to the first). Every action's start and end are
 recorded, so a real step can be drawn like a simulated one.
 
+A recorded step (`--pp-trace`) also keeps the schedule's clock, a Lamport clock:
+each compute action lasts its unit cost (simulate.UNIT_COSTS), each message
+carries its sender's clock in a second, 8-byte message, and a receive moves the
+receiver's clock up to it. That timeline is made by the runtime's own order of
+actions and the messages it really waited for, and by nothing the machine's load
+can stretch: it equals the simulator's exactly when the runtime waits on what
+the simulator assumes, and no more (the wall-clock one adds the messages' time
+and the machine's).
+
 In a V (DualPipeV) a chunk's neighbour may sit on either side, or on the rank
 itself: at the turn of the V, rank p-1 hands its chunk 0's output to its chunk 1
 (and the gradient back) through a local mailbox instead of a message.
@@ -34,6 +43,7 @@ import torch.distributed as dist
 
 from ultrascale.parallel.pipeline.partition import rank_of_stage, v_shaped
 from ultrascale.parallel.pipeline.schedules import schedule, stage_of
+from ultrascale.parallel.pipeline.simulate import UNIT_COSTS
 from ultrascale.parallel.pipeline.stage import (
     StageChunk,
     WeightGradStore,
@@ -68,6 +78,8 @@ class PipelineRuntime:
         self.shape = (t.micro_batch, local_seq, cfg.model.hidden)
         self.dtype = next(model.parameters()).dtype
         self.trace: list = []
+        self.clocked = bool(t.pp_trace)  # keep the schedule's clock (module docstring) in a recorded step
+        self.now: float | None = None  # that clock, during run() when clocked
         self.weight_grads: dict = {}  # zero-bubble: what each I left for its W
 
     def _last_backwards(self) -> set:
@@ -87,6 +99,13 @@ class PipelineRuntime:
         wrap from the last rank's chunk c to the first rank's chunk c + 1."""
         return ((micro * self.p * self.v + dest_stage) * 2 + (kind == "B")) + 1
 
+    def _clock_tag(self, micro: int, dest_stage: int, kind: str) -> int:
+        """The clock travelling with that message: past every data tag (the largest is 2 m p v)."""
+        return self._tag(micro, dest_stage, kind) + 2 * self.m * self.p * self.v
+
+    def _clock_buffer(self):
+        return torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
+
     def _peer(self, stage: int) -> int | None:
         """Global rank holding a virtual stage; None when it is this rank (the V's turn)."""
         r = rank_of_stage(stage, self.p, self.vshape)
@@ -99,26 +118,44 @@ class PipelineRuntime:
             return
         with comm("pp.send"):
             sends.append((dist.isend(tensor, dst=peer, tag=self._tag(micro, stage, kind)), tensor))
+            if self.now is not None:
+                clock = self._clock_buffer() + self.now
+                sends.append((dist.isend(clock, dst=peer, tag=self._clock_tag(micro, stage, kind)), clock))
 
     def _post(self, stage: int, kind: str, micro: int, src_stage: int) -> None:
         """Post a receive now (irecv); the matching RECV waits for it."""
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.ctx.device)
+        clock = None
         with comm("pp.irecv"):
             work = dist.irecv(buf, src=self._peer(src_stage), tag=self._tag(micro, stage, kind))
-        self.posted[(kind, micro, stage)] = (work, buf)
+            if self.now is not None:
+                buffer = self._clock_buffer()
+                clock = (dist.irecv(buffer, src=self._peer(src_stage), tag=self._clock_tag(micro, stage, kind)), buffer)
+        self.posted[(kind, micro, stage)] = (work, buf, clock)
+
+    def _arrived(self, sent) -> None:
+        """A message is in: the schedule's clock cannot be behind the one it was sent at."""
+        self.now = max(self.now, sent.item())
 
     def _recv(self, stage: int, kind: str, micro: int, src_stage: int):
         peer = self._peer(src_stage)
         if peer is None:
             return self.mailbox.pop((kind, micro, stage))
         if (kind, micro, stage) in self.posted:
-            work, buf = self.posted.pop((kind, micro, stage))
+            work, buf, clock = self.posted.pop((kind, micro, stage))
             with comm("pp.recv_wait"):
                 work.wait()
+                if clock is not None:
+                    clock[0].wait()
+                    self._arrived(clock[1])
             return buf
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.ctx.device)
         with comm("pp.recv"):
             dist.recv(buf, src=peer, tag=self._tag(micro, stage, kind))
+            if self.now is not None:
+                buffer = self._clock_buffer()
+                dist.recv(buffer, src=peer, tag=self._clock_tag(micro, stage, kind))
+                self._arrived(buffer)
         return buf
 
     def run(self, micro_batches) -> float:
@@ -127,9 +164,10 @@ class PipelineRuntime:
         inputs, outputs, losses, sends, recv_grad = {}, {}, {}, [], {}
         held, in_flight, peak = {}, 0, 0
         self.trace = []
+        self.now = 0.0 if self.clocked else None
         t0 = time.perf_counter()
         for i, a in enumerate(self.actions):
-            start = time.perf_counter()
+            start, clock_start = time.perf_counter(), self.now
             key, stage = (a.micro, a.chunk), stage_of(self.rank, a.chunk, self.p, self.vshape)
             with span(PP_ACTION + repr(a)):
                 if a.kind == "POST_B":
@@ -163,10 +201,14 @@ class PipelineRuntime:
                         self._backward(a, outputs, recv_grad)
                     if a.kind in ("B", "I") and key in held:
                         in_flight -= held.pop(key)
-            self.trace.append((repr(a), a.kind, start - t0, time.perf_counter() - t0))
+            if self.now is not None and a.kind in UNIT_COSTS:
+                self.now += UNIT_COSTS[a.kind]
+            self.trace.append((repr(a), a.kind, start - t0, time.perf_counter() - t0)
+                              + ((clock_start, self.now) if self.now is not None else ()))
         with comm("pp.wait"):
             for work, _ in sends:
                 work.wait()
+        self.now = None  # evaluate() and an unrecorded step send no clocks
         if self.measure:
             self.meter.peak = max(self.meter.peak, peak)
         return self._mean_loss(losses)

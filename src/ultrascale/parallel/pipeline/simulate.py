@@ -22,6 +22,14 @@ from ultrascale.parallel.pipeline.schedules import Action, stage_of
 COMPUTE = ("F", "B", "I", "W")
 
 
+def costs(t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> dict[str, float]:
+    """Each compute action's cost: F = t_f, I = t_b, W = t_w, an unsplit B = t_b + t_w."""
+    return {"F": t_f, "B": t_b + t_w, "I": t_b, "W": t_w}
+
+
+UNIT_COSTS = costs()  # the simulator's defaults; the runtime's schedule clock runs at these
+
+
 @dataclass
 class Timeline:
     p: int
@@ -56,7 +64,7 @@ def peak_in_flight(actions: list[Action]) -> int:
 def simulate(actions: list[list[Action]], p: int, v: int = 1, t_f: float = 1.0, t_b: float = 1.0,
              t_w: float = 1.0, t_comm: float = 0.0, vshape: bool = False) -> Timeline:
     """vshape: the chunks sit in a V (DualPipeV), as with_communication was told."""
-    cost = {"F": t_f, "B": t_b + t_w, "I": t_b, "W": t_w}
+    cost = costs(t_f, t_b, t_w)
     sent: dict[tuple, float] = {}  # (kind, micro, virtual stage) -> time the message is available
     clock = [0.0] * p
     pos = [0] * p
