@@ -253,18 +253,29 @@ def cmd_search(args) -> int:
                           f"heads and the MLP width {shape.ffn_hidden}: pick a tp that divides "
                           f"{math.gcd(shape.heads, shape.kv_heads, shape.ffn_hidden)}")
     check_framework(fw, fixed.get("ep") or 1, fixed.get("zero"))  # the rule, not "nothing reaches the batch"
-    if args.html:
-        from ultrascale.preflight import check_writable_file
+    from ultrascale.preflight import check_writable_file
 
-        check_writable_file("--html", args.html)  # before the search, not after it
+    for flag in ("html", "emit_config"):
+        if getattr(args, flag):
+            check_writable_file("--" + flag.replace("_", "-"), getattr(args, flag))  # before the search, not after it
+    if args.emit_config:
+        from ultrascale.plan.emit import engine_dtype, model_section
+
+        model_section(shape, model)  # a model the engine cannot build: said before the search
+        engine_dtype(args.precision)
     result = search(shape, args.gpus, gpu, fw, args.seq_len, args.global_batch_tokens, args.precision, fixed)
     sequences = batch_sequences(args.global_batch_tokens, args.seq_len)
     if args.emit_config:
+        from ultrascale.plan.emit import best_buildable, write
+
         if not result.ranked:
             raise ConfigError(f"--emit-config {args.emit_config}: no layout fits, nothing to write")
-        from ultrascale.plan.emit import write
-
-        write(args.emit_config, shape, result.ranked[0].layout, model)
+        lay, rank, refused = best_buildable(shape, result.ranked, model)
+        note = ""
+        if rank > 1:  # the planner's best is not one the engine builds: say which it wrote instead, and why
+            note = f"layout {rank} of the ranking: the engine refuses the {rank - 1} above it ({refused[0]})"
+            print(f"--emit-config: {note}", file=sys.stderr)
+        write(args.emit_config, shape, lay, model, note)
     needed = None if result.ranked else gpus_needed(shape, args.gpus, gpu, fw, args.seq_len,
                                                     args.global_batch_tokens, args.precision, fixed)
     out = {"model": shape.name, "shape": model.as_dict(), "gpus": args.gpus, "gpu": gpu.gpu.name, "cluster": gpu.name,
