@@ -45,7 +45,7 @@ def test_files_are_named_when_written_with_ordinary_permissions(tmp_path):
         assert stat.S_IMODE(png.stat().st_mode) == 0o644  # as a plain open() makes it, not mkstemp's 0600
         r = ultrascale("plan", "--model", "tiny", "--gpus", "2", "--seq-len", "32", "--global-batch-tokens", "128",
                        "--emit-config", str(toml))
-        assert r.returncode == 0 and f"wrote {toml}: run it with ultrascale train --config {toml}" in r.stderr
+        assert r.returncode == 0 and f"wrote {toml}: set its data, then run it with ultrascale train --config {toml}" in r.stderr
         r = ultrascale("train", "--model", "tiny", "--steps", "1", "--seq-len", "16", "--micro-batch", "2",
                        "--no-progress", "--peak", "1", "--save", str(tmp_path / "ck"), "--log-jsonl",
                        str(tmp_path / "a.jsonl"))

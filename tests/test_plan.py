@@ -379,7 +379,8 @@ def test_emitted_config_trains(capsys, tmp_path):
         assert line in text, (line, text)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "ultrascale", "train", "--config", str(path), "--steps", "1",
-                          "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+                          "--device", "cpu", "--data", ""],  # the data set (here: the default corpus)
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "done: 1 steps" in run.stdout
 

@@ -14,7 +14,7 @@ import json
 import math
 import sys
 
-from ultrascale.errors import positive_number
+from ultrascale.errors import ConfigError, positive_number
 
 # (flag, ModelShape field, type, help)
 MODEL_FLAGS = [
@@ -126,8 +126,10 @@ def add_parser(sub) -> None:
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step, as `train` takes it (x --seq-len tokens)")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
-    p.add_argument("--emit-config", metavar="PATH", help="write the best layout as a TOML file for "
+    p.add_argument("--emit-config", metavar="PATH", help="(planned for this engine, --framework ultrascale, unless one is named) write the best layout as a TOML file for "
                                                          "`ultrascale train --config PATH`")
+    p.add_argument("--emit-launch", choices=["slurm"], help="with --emit-config: also write an sbatch "
+                                                             "script beside it (PATH.sbatch), torchrun on each node")
     p.add_argument("--html", metavar="OUT.html", help="write the ranked layouts as one interactive page: memory "
                                                       "by owner, step time by cause, the pipeline schedule")
     p.set_defaults(func=cmd_search)
@@ -137,8 +139,10 @@ def add_parser(sub) -> None:
     m.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the pipeline's m)")
     m.add_argument("--bucket-mb", type=positive_number, default=25.0, help="gradient bucket cap in MB (ZeRO padding, buffers)")
     m.add_argument("--chart", help="draw the breakdown as a stacked bar chart (PNG)")
-    m.add_argument("--emit-config", metavar="PATH", help="write this layout as a TOML file for "
+    m.add_argument("--emit-config", metavar="PATH", help="(planned for this engine, --framework ultrascale, unless one is named) write this layout as a TOML file for "
                                                          "`ultrascale train --config PATH`")
+    m.add_argument("--emit-launch", choices=["slurm"], help="with --emit-config: also write an sbatch "
+                                                             "script beside it (PATH.sbatch), torchrun on each node")
     m.set_defaults(func=cmd_memory)
     v = plan_sub.add_parser("validate", help="the planner's figures against the playbook's H100 runs")
     v.add_argument("--data", help="the CSV (default: ../shared/data/playbook_benchmarks.csv, else the packaged copy)")
@@ -203,7 +207,8 @@ def framework_of(args):
 
     from ultrascale.plan.calibration import DEFAULT_FRAMEWORK, get_framework
 
-    fw = get_framework(args.framework or DEFAULT_FRAMEWORK)
+    # A plan to train on this engine is planned with this engine's kernels and memory.
+    fw = get_framework(args.framework or ("ultrascale" if getattr(args, "emit_config", None) else DEFAULT_FRAMEWORK))
     switches = {"partition": args.partition or "even"}
     for name in ("kernels", "attention", "dropout", "fused_swiglu", "float8"):
         if getattr(args, name) is not None:
@@ -258,11 +263,7 @@ def cmd_search(args) -> int:
     for flag in ("html", "emit_config"):
         if getattr(args, flag):
             check_writable_file("--" + flag.replace("_", "-"), getattr(args, flag))  # before the search, not after it
-    if args.emit_config:
-        from ultrascale.plan.emit import engine_dtype, model_section
-
-        model_section(shape, model)  # a model the engine cannot build: said before the search
-        engine_dtype(args.precision)
+    check_emit(args, shape, model, gpu)
     result = search(shape, args.gpus, gpu, fw, args.seq_len, args.global_batch_tokens, args.precision, fixed)
     sequences = batch_sequences(args.global_batch_tokens, args.seq_len)
     if args.emit_config:
@@ -275,7 +276,7 @@ def cmd_search(args) -> int:
         if rank > 1:  # the planner's best is not one the engine builds: say which it wrote instead, and why
             note = f"layout {rank} of the ranking: the engine refuses the {rank - 1} above it ({refused[0]})"
             print(f"--emit-config: {note}", file=sys.stderr)
-        write(args.emit_config, shape, lay, model, note)
+        write(args.emit_config, shape, lay, model, note, fw.name, gpu.node_size, args.emit_launch or "")
     needed = None if result.ranked else gpus_needed(shape, args.gpus, gpu, fw, args.seq_len,
                                                     args.global_batch_tokens, args.precision, fixed)
     out = {"model": shape.name, "shape": model.as_dict(), "gpus": args.gpus, "gpu": gpu.gpu.name, "cluster": gpu.name,
@@ -322,6 +323,28 @@ def _layout(args, shape):
     return lay
 
 
+def check_emit(args, shape, model, cluster, world: int | None = None) -> None:
+    """--emit-config / --emit-launch, before any work: the model the engine must build, the precision it
+    trains in, and nodes the processes fill."""
+    if args.emit_launch and not args.emit_config:
+        raise ConfigError("--emit-launch writes the launch of an --emit-config file: add --emit-config PATH")
+    if not args.emit_config:
+        return
+    from ultrascale.plan.emit import engine_dtype, model_section
+    from ultrascale.plan.launch import nodes_of
+
+    from ultrascale.preflight import check_writable_file
+
+    model_section(shape, model)  # a model the engine cannot build: said before the search
+    engine_dtype(args.precision)
+    check_writable_file("--emit-config", args.emit_config)
+    if args.emit_launch:
+        import os
+
+        nodes_of(world or args.gpus, cluster.node_size)
+        check_writable_file("--emit-launch", os.path.splitext(args.emit_config)[0] + ".sbatch")
+
+
 def cmd_memory(args) -> int:
     from ultrascale.plan import report
     from ultrascale.plan.layout import check_framework
@@ -333,12 +356,14 @@ def cmd_memory(args) -> int:
     gpu, fw = _context(args)
     lay = _layout(args, shape)
     check_framework(fw, lay.ep, lay.zero)
+    check_emit(args, shape, model, gpu, lay.world)
     plan = memory_plan(shape, lay, fw)
     timing = step_time(shape, lay, gpu, fw)
     if args.emit_config:
         from ultrascale.plan.emit import write
 
-        write(args.emit_config, shape, lay, model)
+        write(args.emit_config, shape, lay, model, framework=fw.name, node_size=gpu.node_size,
+              launch=args.emit_launch or "")
     if args.chart:
         from ultrascale.plan.chart import draw_memory
 

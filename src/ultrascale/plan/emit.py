@@ -20,6 +20,7 @@ import sys
 from dataclasses import fields
 
 from ultrascale.errors import ConfigError
+from ultrascale.plan.launch import launch_lines, nodes_of, write_sbatch
 
 # ModelShape field -> ModelConfig field (the engine's name, written to [model]), where one builds the other.
 _MODEL_FIELDS = {"vocab": "vocab_size", "hidden": "hidden", "layers": "layers", "heads": "heads",
@@ -118,8 +119,55 @@ def run_config(shape, lay, model_of=None) -> dict:
     if lay.offload != "none":  # disk's files: a directory beside the run (any with room will do)
         parallel.update(offload=lay.offload, **({"offload_dir": "offload"} if lay.offload == "disk" else {}))
     train = {"seq_len": lay.seq_len, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum,
-             "recompute": lay.recompute, "dtype": engine_dtype(lay.precision), "nproc": lay.world}
+             "recompute": lay.recompute, "dtype": engine_dtype(lay.precision), "nproc": lay.world,
+             **run_settings(shape, lay)}
     return {"model": model, "parallel": parallel, "train": train}
+
+
+# Peak learning rates of GPT-3's models by parameter count (Brown et al. 2020, "Language Models are
+# Few-Shot Learners", Table 2.1: 125M to 175B, batch 0.5M to 3.2M tokens, Adam with beta2 0.95).
+GPT3_LR = [(125e6, 6.0e-4), (350e6, 3.0e-4), (760e6, 2.5e-4), (1.3e9, 2.0e-4), (2.7e9, 1.6e-4), (6.7e9, 1.2e-4),
+           (13e9, 1.0e-4), (175e9, 0.6e-4)]
+# The same paper: the learning rate warms up linearly over the first 375 million tokens, then follows a
+# cosine down to 10% of its peak (the engine's --min-lr-ratio 0.1).
+GPT3_WARMUP_TOKENS = 375e6
+# Chinchilla's compute-optimal budget (Hoffmann et al. 2022, "Training Compute-Optimal Large Language
+# Models"): about 20 training tokens per parameter.
+TOKENS_PER_PARAMETER = 20
+# Checkpoints and validation: 20 in a run (every 5% of the steps), the newest 3 kept.
+SAVES_PER_RUN = 20
+# Where the emitted run reads its data: not a corpus, so the run refuses it in one line until it is set.
+DATA_PLACEHOLDER = "SET-ME: a corpus made by `ultrascale data prepare` on a filesystem every node reads"
+
+
+def peak_lr(params: float) -> float:
+    """GPT-3's peak learning rate at this many parameters: log-log interpolation of Table 2.1 (held at
+    its ends outside 125M..175B)."""
+    import math
+
+    if params <= GPT3_LR[0][0]:
+        return GPT3_LR[0][1]
+    for (n0, lr0), (n1, lr1) in zip(GPT3_LR, GPT3_LR[1:]):
+        if params <= n1:
+            t = (math.log(params) - math.log(n0)) / (math.log(n1) - math.log(n0))
+            return math.exp(math.log(lr0) + t * (math.log(lr1) - math.log(lr0)))
+    return GPT3_LR[-1][1]
+
+
+def run_settings(shape, lay) -> dict:
+    """The rest of a run of this model and batch: steps for a compute-optimal budget, the learning rate
+    and its schedule, data, checkpoints, validation and the log (the rules and sources above). An MoE
+    model is scaled by its active parameters, what each token's compute sees."""
+    import math
+
+    params = shape.active_params() if shape.is_moe else shape.count()
+    tokens = lay.tokens_per_step
+    steps = max(1, math.ceil(TOKENS_PER_PARAMETER * params / tokens))
+    every = max(1, steps // SAVES_PER_RUN)
+    return {"steps": steps, "lr": float(f"{peak_lr(params):.3g}"), "lr_schedule": "cosine", "min_lr_ratio": 0.1,
+            "warmup_steps": min(steps // 10, math.ceil(GPT3_WARMUP_TOKENS / tokens)),
+            "data": DATA_PLACEHOLDER, "save": "checkpoints", "save_every": every, "keep_last": 3,
+            "eval_every": every, "log_jsonl": "train.jsonl"}
 
 
 def checked(shape, lay, model_of=None) -> dict:
@@ -159,17 +207,30 @@ def to_toml(sections: dict, header: str = "") -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
-def write(path: str, shape, lay, model_of=None, note: str = "") -> None:
+def write(path: str, shape, lay, model_of=None, note: str = "", framework: str = "ultrascale", node_size: int = 8,
+          launch: str = "") -> None:
     # A changed preset is said in the header, "custom (from tiny)" with what was given and derived
     # (the engine's [model] takes no name beside its preset).
     sections = checked(shape, lay, model_of)
-    notes = "".join(line + "\n" for line in (model_of.lines() if model_of else []) + ([note] if note else []))
-    text = to_toml(sections, f"ultrascale plan: {shape.name}, {lay.label()}\n{notes}"
-                             f"run with: ultrascale train --config {path}")
+    t = sections["train"]
+    lines = [f"ultrascale plan: {shape.name}, {lay.label()}", *(model_of.lines() if model_of else []),
+             *([note] if note else []),
+             f"planned for framework {framework}" + ("" if framework == "ultrascale" else
+                                                     f": the memory and times are {framework}'s kernels', not this "
+                                                     f"engine's (plan with --framework ultrascale for this engine)"),
+             f"steps: {TOKENS_PER_PARAMETER} tokens per parameter (Chinchilla); lr: GPT-3's Table 2.1 at this size, "
+             f"{GPT3_WARMUP_TOKENS / 1e6:.0f}M tokens of warmup, cosine to 10%",
+             f"set [train] data = a prepared corpus: the run refuses the placeholder",
+             *launch_lines(path, t["nproc"], node_size)]
+    text = to_toml(sections, "\n".join(lines))
     try:
         with open(path, "w") as f:
             f.write(text)
     except OSError as e:
         raise ConfigError(f"--emit-config {path}: cannot write ({e.strerror})") from None
     # On stderr: stdout may be the plan's JSON.
-    print(f"wrote {path}: run it with ultrascale train --config {path}", file=sys.stderr)
+    print(f"wrote {path}: set its data, then run it with ultrascale train --config {path}", file=sys.stderr)
+    if launch == "slurm":
+        script = write_sbatch(path, t["nproc"], node_size, f"ultrascale-{shape.name}")
+        print(f"wrote {script}: sbatch {script} starts it on {nodes_of(t['nproc'], node_size)[0]} node(s)",
+              file=sys.stderr)
