@@ -323,7 +323,7 @@ def test_prepare_bad_input_is_one_line(case, tmp_path, corpus_dir):
     assert not out.exists() or case == "unrelated-out"
 
 
-@pytest.mark.parametrize("case", ["interrupted", "damaged-index", "short-shard", "tiny-held-out"])
+@pytest.mark.parametrize("case", ["interrupted", "damaged-index", "short-shard", "damaged-shard", "tiny-held-out"])
 def test_training_on_a_bad_prepared_directory_is_one_line(case, prepared, tmp_path):
     import shutil
 
@@ -340,6 +340,11 @@ def test_training_on_a_bad_prepared_directory_is_one_line(case, prepared, tmp_pa
         with open(copy / "train-00000.bin", "r+b") as f:
             f.truncate(10)
         one_line_error(ultrascale(*args), "train-00000.bin", "prepare the corpus again")
+    elif case == "damaged-shard":  # its size as the index says, its bytes not token ids of the corpus
+        size = (copy / "train-00000.bin").stat().st_size
+        (copy / "train-00000.bin").write_bytes(b"\xff" * size)
+        one_line_error(ultrascale(*args, "--nproc", "2"), "train-00000.bin is damaged", "--verify",
+                       "prepare the corpus again")
     else:
         one_line_error(ultrascale(*args, "--eval-every", "1", "--micro-batch", "32", "--grad-accum", "16", "--seq-len", "256"),
                        "--eval-every", "prepare it again with a larger --val-fraction")

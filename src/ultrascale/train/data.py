@@ -107,7 +107,8 @@ class Shards(Stream):
     the whole 2 GB from disk cold and left 0.7-1.9 GB of its pages in the process's resident set
     (docs/benchmarks.md, "Data")."""
 
-    def __init__(self, root: str, entries: list[dict], dtype: str):
+    def __init__(self, root: str, entries: list[dict], dtype: str, vocab: int = 0):
+        self.root, self.vocab = root, vocab  # vocab: the corpus's; an id at or past it is a damaged shard
         self.files = [os.path.join(root, e["file"]) for e in entries if e["tokens"]]
         sizes = [e["tokens"] for e in entries if e["tokens"]]
         self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
@@ -133,7 +134,15 @@ class Shards(Stream):
             with open(self.files[i], "rb") as f:
                 f.seek(start * size)
                 data = f.read(count * size)
-        return np.frombuffer(data, dtype=self.dtype)
+        tokens = np.frombuffer(data, dtype=self.dtype)
+        if self.vocab and tokens.size and int(tokens.max()) >= self.vocab:
+            # Its size matched the index (read_index): its bytes did not. Cheap against the step it feeds.
+            at = start + int(np.argmax(tokens >= self.vocab))
+            raise ConfigError(f"--data {self.root}: shard {os.path.basename(self.files[i])} is damaged: token {at:,} "
+                              f"is id {int(tokens.max())}, past the corpus's vocabulary of {self.vocab:,} "
+                              f"(`ultrascale data info {self.root} --verify` checks every shard): prepare the "
+                              f"corpus again")
+        return tokens
 
     def read(self, starts, length):
         out = np.empty((len(starts), length), dtype=np.int64)
@@ -395,7 +404,8 @@ def open_prepared(spec: str, split: str) -> list[Source]:
     for weight, path in blend:
         index = read_index(path)
         tokenizers.add(json.dumps(index["tokenizer"], sort_keys=True))
-        sources.append(Source(Shards(path, index["splits"][split]["shards"], index["dtype"]), weight, path))
+        sources.append(Source(Shards(path, index["splits"][split]["shards"], index["dtype"], index.get("vocab_size", 0)),
+                              weight, path))
     if len(tokenizers) > 1:
         raise ConfigError(f"--data {spec!r}: the blended corpora were prepared with different tokenizers")
     return sources
