@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ultrascale.errors import ConfigError
+from ultrascale.errors import ConfigError, no_room, no_room_error
 from ultrascale.model.config import ModelConfig
 
 # (our name, transformers' name); {i} is the layer index.
@@ -378,8 +378,10 @@ def save_hf(cfg: ModelConfig, state: Mapping, out_dir: str, tokenizer_dir: str |
             os.chmod(os.path.join(tmp, f), 0o644)
         os.chmod(tmp, 0o755)
         _swap_in(tmp, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if no_room(e):  # safetensors' writer carries the OS error in its own exception
+            raise no_room_error(out_dir, e, "nothing was written") from None
         raise
 
 

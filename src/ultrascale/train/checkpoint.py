@@ -255,7 +255,12 @@ def _raise_if_unwritable(e: BaseException, path: str) -> None:
     causes = [e] + [failure[0] for failure in getattr(e, "failures", {}).values()]
     err = next((c for c in causes if isinstance(c, OSError)), None)
     if err is None:
-        return
+        # torch.save's zip writer sees a short write only as a position it did not reach ("unexpected
+        # pos"), without the OS error: on a disk, a quota or a file-size limit that is full.
+        short = next((c for c in causes if isinstance(c, RuntimeError) and "unexpected pos" in str(c)), None)
+        if short is None:
+            return
+        err = OSError("a write stopped short, the disk, its quota or the file-size limit (ulimit -f) full")
     where, step = err.filename or path + ".tmp", _saved_step(path)
     then = (f"{path} still holds step {step}: free space there (or pass another --save) and continue with "
             f"--resume {path}" if step is not None else "nothing was saved: free space there or pass another --save")

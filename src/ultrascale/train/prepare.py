@@ -22,13 +22,14 @@ redoes only the pieces without one. The split is a function of the corpus alone
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import sys
 import time
 
-from ultrascale.errors import ConfigError
+from ultrascale.errors import ConfigError, no_room, no_room_error
 
 # numpy and the tokenizers are imported where used: every `ultrascale` command builds this parser.
 
@@ -76,8 +77,13 @@ def _write(path: str, array) -> str:
     """Write through a temporary name (a killed worker leaves no half shard under the real one)."""
     tmp = path + ".tmp"
     data = memoryview(array).cast("B")  # the array's own bytes: no copy to write or to hash
-    with open(tmp, "wb") as f:
-        f.write(data)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # a full disk leaves no half shard filling it
+        raise
     os.replace(tmp, path)
     return hashlib.sha256(data).hexdigest()
 
@@ -88,17 +94,32 @@ def _prepare_piece(args) -> dict:
     number, piece, out, dtype, val_fraction, column, split = args
     try:
         streams = corpus.tokenize_piece(piece, _TOKENIZER, val_fraction, column, split)
+        return _write_piece(number, streams, out, dtype)
     except ConfigError as e:
         return {"error": str(e)}
+    except OSError as e:
+        if not no_room(e):
+            raise
+        return {"error": str(no_room_error(out, e, "the pieces written so far are kept, and the same command "
+                                                  "run again finishes the rest"))}
+
+
+def _write_piece(number: int, streams: dict, out: str, dtype: str) -> dict:
     record = {"piece": number}
     for name, (tokens, ends) in streams.items():
         base = f"{name}-{number:05d}"
         record[name] = {"file": base + ".bin", "docs_file": base + ".docs", "tokens": int(len(tokens)),
                         "docs": int(len(ends)), "sha256": _write(os.path.join(out, base + ".bin"), tokens.astype(dtype))}
         _write(os.path.join(out, base + ".docs"), ends)
-    with open(os.path.join(out, "pieces", f"{number:05d}.json.tmp"), "w") as f:
-        json.dump(record, f)
-    os.replace(os.path.join(out, "pieces", f"{number:05d}.json.tmp"), os.path.join(out, "pieces", f"{number:05d}.json"))
+    tmp = os.path.join(out, "pieces", f"{number:05d}.json.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, os.path.join(out, "pieces", f"{number:05d}.json"))
     return record
 
 
@@ -216,8 +237,15 @@ def _write_index(out: str, settings: dict, records: list[dict]) -> dict:
         index["splits"][name] = {"tokens": sum(s["tokens"] for s in shards), "docs": sum(s["docs"] for s in shards),
                                  "shards": shards}
     tmp = os.path.join(out, "index.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(index, f, indent=1)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(index, f, indent=1)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if no_room(e):
+            raise no_room_error(out, e, "every piece is written: the same command run again writes the index") from None
+        raise
     os.replace(tmp, os.path.join(out, "index.json"))
     return index
 

@@ -25,7 +25,7 @@ from ultrascale import parallel
 from ultrascale.config import RunConfig
 from ultrascale.distributed import failures
 from ultrascale.distributed.context import ParallelContext
-from ultrascale.errors import Diverged
+from ultrascale.errors import Diverged, no_room, no_room_error
 from ultrascale.model import build_model, flops_per_token
 from ultrascale.model.moe import moe_layers, step_loads, update_router_bias
 from ultrascale.spans import BACKWARD, EVAL, FORWARD, OPTIMIZER, STEP, comm, span
@@ -450,7 +450,8 @@ class _Log:
             os.makedirs(os.path.dirname(os.path.abspath(t.log_jsonl)), exist_ok=True)
             if t.resume:
                 keep_steps_up_to(t.log_jsonl, first_step)
-            self.jsonl = open(t.log_jsonl, "a" if t.resume else "w")
+            # Unbuffered: a row is on disk whole when write() returns, or not at all (a full disk).
+            self.jsonl, self.jsonl_path = open(t.log_jsonl, "ab" if t.resume else "wb", buffering=0), t.log_jsonl
         if t.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -471,8 +472,7 @@ class _Log:
         if not self.active:
             return
         if self.jsonl:
-            self.jsonl.write(json.dumps(m) + "\n")
-            self.jsonl.flush()
+            self._append_row(json.dumps(m) + "\n")
         if self.tb is not None:
             for tag, value in tensorboard_scalars(m).items():
                 self.tb.add_scalar(tag, value, m["step"])
@@ -487,6 +487,21 @@ class _Log:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{m['loss']:.4f}")
+
+    def _append_row(self, row: str) -> None:
+        """One JSONL row, whole: a write the filesystem refuses for want of room is cut back to the rows
+        before it and ends the run in one line (the checkpoints written so far stand)."""
+        data, start = memoryview(row.encode()), self.jsonl.tell()
+        try:
+            while data:
+                data = data[self.jsonl.write(data):]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                self.jsonl.truncate(start)
+            if no_room(e):
+                raise no_room_error(self.jsonl_path, e, f"its rows up to step {json.loads(row)['step'] - 1} are kept") \
+                    from None
+            raise
 
     def say(self, line: str) -> None:
         if self.to_stdout:
