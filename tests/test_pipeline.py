@@ -217,6 +217,12 @@ def test_a_recorded_step_on_the_schedules_clock_is_the_simulated_step(tmp_path, 
     assert got == simulated
 
 
+def test_every_kind_of_action_has_its_own_colour_and_label():
+    from ultrascale.parallel.pipeline import draw
+
+    assert len(set(draw.COLOURS.values())) == len(draw.COLOURS) and set(draw.LABELS) == set(draw.COLOURS)
+
+
 def test_the_schedules_clock_shows_a_runtime_playing_another_schedule(tmp_path):
     # AFAB played where 1F1B was asked trains the same losses with the same bubble: only the
     # timeline shows that every forward ran before the first backward.
@@ -342,6 +348,8 @@ def test_a_recorded_dualpipe_step_runs_as_scheduled_with_its_pairs_overlapped(tm
     assert kinds == [[a.kind for a in acts] for acts in build("dualpipev", 2, 4)]  # executed exactly as scheduled
     r = ultrascale("pp-schedule", "--trace", str(trace), "--out", str(png))
     assert r.returncode == 0 and "measured bubble ratio" in r.stdout and png.exists()
+    assert "on the schedule's clock (each action its unit cost, each message its sender's clock): bubble ratio" \
+        in r.stdout
     # The profiled step: the schedule with its posted receives, each pair's messages in flight
     # while the other pass computes, on both ranks (2 posted receives and 2 sends per rank here).
     actions = schedule("dualpipev", 2, 4)

@@ -191,7 +191,7 @@ def test_no_layout_is_called_slower_than_one_it_cannot_be_told_from(capsys, args
     assert code == 0, err
     band = 100 * error_band()
     head = re.search(r"Top group: (\d+) layouts within ±([\d.]+)% of the fastest: the time model cannot order "
-                     r"these; ordered by memory headroom, then simplicity", out)
+                     r"these; those with enough memory headroom first, all alike, then the tighter ones, roomier first; then simplicity", out)
     alone = re.search(r"Top group: the fastest alone, no other layout is within ±([\d.]+)%", out)
     assert head or alone, out[:2000]
     group = int(head.group(1)) if head else 1

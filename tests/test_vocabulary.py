@@ -128,6 +128,17 @@ def test_an_unknown_flag_points_at_the_commands_help_and_the_near_name():
     assert "did you mean --micro-batch?" in r.stderr and "`ultrascale train --help`" in r.stderr
 
 
+
+def test_a_flag_of_the_command_but_not_of_its_verb_says_which_takes_it():
+    # `plan` searches over --gpus; `plan memory` takes a layout's sizes instead.
+    r = run_cli("plan", "memory", "--model", "tiny", "--gpus", "2")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--gpus is `ultrascale plan`'s, not `ultrascale plan memory`'s" in r.stderr
+    assert "`ultrascale plan memory --help`" in r.stderr and "did you mean --gpus" not in r.stderr
+    r = run_cli("plan", "memory", "--model", "tiny", "--micro-bach", "2")
+    assert "did you mean --micro-batch?" in r.stderr and "`ultrascale plan memory --help`" in r.stderr
+
+
 def test_under_torchrun_a_layout_error_speaks_of_the_world_size(monkeypatch):
     cfg = RunConfig(parallel=ParallelConfig(tp=2))
     with pytest.raises(ConfigError, match="add --nproc 2"):

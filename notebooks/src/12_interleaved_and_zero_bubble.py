@@ -371,8 +371,9 @@ simulator is given, as on a GPU per stage where each stage's compute takes its o
 
 For each schedule, two Gantt charts: the action lists played by the simulator at those costs (what the
 schedule intends), then step 2 as the engine recorded it on the 4 processes, in seconds (`ultrascale
-pp-schedule --trace FILE --out chart.png` draws the same). Forwards blue, backwards green (for zero bubble:
-input gradients green, weight gradients red), idle time blank.
+pp-schedule --trace FILE --out chart.png` draws the same). Forwards blue, full backwards green, input
+gradients light green, weight gradients red (zero bubble splits every backward; DualPipeV some), idle
+time blank.
 '''),
             GANTT,
             md(r'''

@@ -446,7 +446,10 @@ def main(argv=None) -> int:
     if extra:  # named by the command they were given to: its --help lists what it takes
         sub = getattr(args, "command", None)
         prog = f"ultrascale {sub}" if sub else "ultrascale"
-        hint = _close_flag(extra[0], parser, sub)
+        verb = next((getattr(args, d) for d in ("plan_command", "notebook_command", "data_command")
+                     if getattr(args, d, None)), None)  # `plan memory`: its own flags, not plan's
+        prog += f" {verb}" if verb else ""
+        hint = _close_flag(extra[0], parser, sub, verb)
         print(f"ultrascale: error: unrecognized arguments: {' '.join(extra)}{hint} (see `{prog} --help`)",
               file=sys.stderr)
         return 2
@@ -470,15 +473,25 @@ def main(argv=None) -> int:
         return 0
 
 
-def _close_flag(word: str, parser, command) -> str:
-    """'; did you mean --X?' for a flag close to one the command takes."""
+def _subparser(parser, name):
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return actions[0].choices.get(name) if actions and name else None
+
+
+def _close_flag(word: str, parser, command, verb=None) -> str:
+    """'; did you mean --X?' for a flag close to one the command (and its verb: `plan memory`) takes; for
+    a flag the command takes without its verb, which of the two takes it."""
     import difflib
 
     if not word.startswith("--") or command is None:
         return ""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices.get(command)
-    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")] if sub else []
-    near = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.75)
+    sub = _subparser(parser, command)
+    inner = _subparser(sub, verb) if sub is not None else None
+    flags = [o for a in (inner or sub)._actions for o in a.option_strings if o.startswith("--")] if sub else []
+    flag = word.split("=")[0]
+    if inner is not None and flag in {o for a in sub._actions for o in a.option_strings}:
+        return f"; {flag} is `ultrascale {command}`'s, not `ultrascale {command} {verb}`'s"
+    near = difflib.get_close_matches(flag, flags, n=1, cutoff=0.75)
     return f"; did you mean {near[0]}?" if near else ""
 
 

@@ -57,8 +57,8 @@ def pct(x: float) -> str:
 def group_lines(result) -> list[str]:
     """What the top group is and why it is ordered as it is."""
     fastest, n, band = result.fastest, len(result.top_group), pct(result.band)
-    head = (f"Top group: {n} layouts within ±{band} of the fastest: the time model cannot order these; ordered by "
-            f"memory headroom, then simplicity." if n > 1 else
+    head = (f"Top group: {n} layouts within ±{band} of the fastest: the time model cannot order these; those with "
+            f"enough memory headroom first, all alike, then the tighter ones, roomier first; then simplicity." if n > 1 else
             f"Top group: the fastest alone, no other layout is within ±{band} of it.")
     return [head,
             f"  ±{band}: the time model's largest error on the published runs (`ultrascale plan published`); the "

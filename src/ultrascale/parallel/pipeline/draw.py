@@ -12,7 +12,8 @@ import tempfile
 
 from ultrascale.preflight import publish
 
-COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#C44E52"}
+# A full backward and its input half apart: DualPipeV runs both, and its legend names both.
+COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#A5D6A7", "W": "#C44E52"}
 LABELS = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)"}
 
 
