@@ -152,6 +152,17 @@ def best_layout(gpus, heads, layers, sequences, memory_per_gpu, tokens_per_s, li
     best = max(tokens_per_s(*lay) for lay in fits)
     return min((lay for lay in fits if tokens_per_s(*lay) >= 0.99 * best), key=lambda lay: (lay[1], lay[2]))
 '''),
+    (2, "powers of two only", "your search never looked at (1, 2, 6)", '''
+def best_layout(gpus, heads, layers, sequences, memory_per_gpu, tokens_per_s, limit):
+    twos = [1, 2, 4, 8, 16, 32, 64, 128]
+    fits = [(gpus // (tp * pp), pp, tp) for tp in twos if tp <= 8 for pp in twos if pp <= gpus
+            if gpus % (tp * pp) == 0 and heads % tp == 0 and layers % pp == 0
+            and sequences % (gpus // (tp * pp)) == 0 and memory_per_gpu(gpus // (tp * pp), pp, tp) <= limit]
+    if not fits:
+        return None
+    best = max(tokens_per_s(*lay) for lay in fits)
+    return min((lay for lay in fits if tokens_per_s(*lay) >= 0.99 * best), key=lambda lay: (lay[1], lay[2]))
+'''),
     (2, "tp stops at 7", "never looked at", '''
 def best_layout(gpus, heads, layers, sequences, memory_per_gpu, tokens_per_s, limit):
     fits = [(gpus // (tp * pp), pp, tp) for tp in range(1, 8) for pp in range(1, gpus + 1)

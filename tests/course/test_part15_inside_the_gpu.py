@@ -44,6 +44,35 @@ _MATMUL = "flops, moved = 2 * m * k * n, (m * k + k * n + m * n) * nbytes"
 _ADD = "flops, moved = numel, 3 * numel * nbytes"
 
 WRONG = [  # (exercise, label, what the check must say, answer source)
+    (1, "scaled_dot_product_attention called", "your code calls scaled_dot_product_attention", '''
+def flash_attention_forward(q, k, v, block):
+    return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+'''),
+    (1, "SDPA per block, merged by log-sum-exp", "your code calls scaled_dot_product_attention", '''
+def flash_attention_forward(q, k, v, block):
+    out, lse = 0, None
+    for start in range(0, k.shape[0], block):
+        k_blk, v_blk = k[start:start + block], v[start:start + block]
+        o = torch.nn.functional.scaled_dot_product_attention(q[None], k_blk[None], v_blk[None])[0]
+        l = torch.logsumexp(q @ k_blk.T / math.sqrt(q.shape[-1]), dim=-1, keepdim=True)
+        if lse is None:
+            out, lse = o, l
+        else:
+            new = torch.logaddexp(lse, l)
+            out, lse = out * torch.exp(lse - new) + o * torch.exp(l - new), new
+    return out
+'''),
+    (1, "an online softmax with no running max", "exp() of a raw score is inf", '''
+def flash_attention_forward(q, k, v, block):
+    scale = q.shape[-1] ** -0.5
+    row_sum = torch.zeros(q.shape[0], 1)
+    acc = torch.zeros(q.shape[0], v.shape[-1])
+    for start in range(0, k.shape[0], block):
+        p = torch.exp((q @ k[start:start + block].T) * scale)
+        row_sum = row_sum + p.sum(dim=-1, keepdim=True)
+        acc = acc + p @ v[start:start + block]
+    return acc / row_sum
+'''),
     (1, "accumulator not rescaled", "you rescale row_sum but not acc", _FA_HEAD + '''
         row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
         acc = acc + p @ v_blk

@@ -372,6 +372,9 @@ def _synthetic():
          (8, 8, 8, 8, fits, lambda dp, pp, tp: {(1, 8): 1005.0, (1, 4): 1000.0, (2, 1): 1000.0}.get((pp, tp), 900.0),
           10.0)),
         ("nothing fits", (8, 8, 8, 8, lambda dp, pp, tp: 50.0, lambda dp, pp, tp: 1.0, 10.0)),
+        # Sizes that are not powers of two: the best tp is 6 of 12 GPUs, the best pp 3 of 6.
+        ("12 GPUs, 12 heads", (12, 12, 6, 12, fits, lambda dp, pp, tp: 100.0 * tp + 10.0 * pp + dp, 10.0)),
+        ("6 GPUs, 9 layers", (6, 8, 9, 6, fits, lambda dp, pp, tp: 100.0 * pp + dp, 10.0)),
     ]
 
 

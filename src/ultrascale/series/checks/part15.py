@@ -105,9 +105,12 @@ def _Watch(m, n, keys):
         full = False
         overflow = None
         key_reads = 0
+        called: set = set()  # the names of the torch functions the answer called
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             import torch
+
+            Watch.called = Watch.called | {getattr(func, "__name__", "")}
 
             if getattr(func, "__name__", "") in _MATMULS and any(
                     torch.is_tensor(a) and a.untyped_storage().data_ptr() == storage
@@ -125,15 +128,31 @@ def _Watch(m, n, keys):
     return Watch()
 
 
+# What a check may not see an answer call: the function the exercise is to write, and its kernels.
+_ATTENTION = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "multi_head_attention_forward")
+# What keeps an online softmax finite: a running max, or a running log-sum-exp.
+_STABILISERS = ("max", "amax", "maximum", "fmax", "logsumexp", "logaddexp", "logaddexp2")
+
+
+def _cases(g):
+    """(m, n, d, block, spread, offset): sizes that do and do not divide into blocks, and scores moved by
+    `offset` (a constant a row's softmax ignores) far enough that exp() of a raw score overflows (+100)
+    or underflows to 0 (-110) in float32: only the running max (or log-sum-exp) keeps them finite."""
+    return ((8, 64, 16, 16, 1.0, 0.0), (5, 50, 8, 16, 3.0, 0.0), (6, 40, 8, 16, 1.0, 100.0), (7, 33, 8, 8, 1.0, -110.0))
+
+
 def exercise_1(flash_attention_forward):
     """flash_attention_forward(q, k, v, block) -> [m, d], equal to SDPA of q over all of k, v."""
     import torch
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(15)
-    for m, n, d, block, spread in ((8, 64, 16, 16, 1.0), (5, 50, 8, 16, 3.0)):
+    for m, n, d, block, spread, offset in _cases(g):
         q = torch.randn(m, d, generator=g) * spread
         k = torch.randn(n, d, generator=g) * spread
+        if offset:  # the last dimension adds offset to every score: q's is offset * sqrt(d), k's is 1
+            q[:, -1], k[:, -1] = offset * math.sqrt(d), 1.0
         v = torch.randn(n, d, generator=g)
         # Keys sorted so that later blocks raise the max: the rescaling is exercised on every row.
         order = (q.mean(0, keepdim=True) @ k.T).squeeze(0).argsort()
@@ -142,10 +161,20 @@ def exercise_1(flash_attention_forward):
         with _Watch(m, n, keys) as watch:
             got = flash_attention_forward(q.clone(), keys, v.clone(), block)
         want = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+        banned = sorted(set(_ATTENTION) & watch.called)
+        if banned:
+            raise AssertionError(f"your code calls {banned[0]}: that is the attention this exercise writes "
+                                 f"itself, block by block; compute q @ k_blk.T, the online softmax and p @ v_blk")
         assert tuple(got.shape) == tuple(want.shape), (
             f"the output has shape {tuple(got.shape)}; one row per query, one column per value dimension: "
             f"{tuple(want.shape)}")
         if not torch.isfinite(got).all():
+            if offset and not set(_STABILISERS) & watch.called:
+                raise AssertionError(f"a NaN or an infinity in your output where every score is near {offset:+.0f}: "
+                                     f"exp() of a raw score is {'inf' if offset > 0 else '0'} in float32. The online "
+                                     f"softmax subtracts the running max before exp: new_max = max(row_max, block "
+                                     f"max), p = exp(s - new_max), and rescales what it holds by "
+                                     f"exp(old_max - new_max)")
             if watch.overflow is not None and watch.overflow[-1] == 1:
                 raise AssertionError("a NaN or an infinity in your output: your correction exp() overflowed to "
                                      "inf; it is exp(old_max - new_max), at most 1 (0 on the first block, where "
