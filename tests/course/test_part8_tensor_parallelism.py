@@ -221,6 +221,10 @@ def tp_mlp(x, w1_shard, w2_shard):
 
     (2, "local max", "each rank shifted its logits by its own max", _CE % ("", " * mine", "mean")),
     (2, "no mask on the target", "only the owner", _CE % (_MAX, "", "mean")),
+    (2, "owner test includes the next shard's first id", "off by one at a shard's edge (local <= n",
+     (_CE % (_MAX, " * mine", "mean")).replace("(local < n)", "(local <= n)")),
+    (2, "owner test leaves out the shard's first id", "off by one at a shard's edge (local > 0",
+     (_CE % (_MAX, " * mine", "mean")).replace("(local >= 0)", "(local > 0)")),
     (2, "sum over tokens", "F.cross_entropy averages", _CE % (_MAX, " * mine", "sum")),
     (2, "no max at all", "exp overflows", '''
 def vocab_parallel_ce(logits, targets, vocab_start):

@@ -238,7 +238,11 @@ def _ce_tensors(seed, shift):
     g = torch.Generator().manual_seed(seed)
     logits = 3 * torch.randn(TOKENS, VOCAB, generator=g) + shift
     targets = torch.randint(0, VOCAB, (TOKENS,), generator=g)
-    targets[0], targets[1] = 0, VOCAB - 1  # both shards own some targets
+    # Every shard's first and last id among the targets: an owner test off by one at either end counts a
+    # target twice or not at all.
+    n = VOCAB // WORLD
+    edges = [i for r in range(WORLD) for i in (r * n, (r + 1) * n - 1)]
+    targets[:len(edges)] = torch.tensor(edges)
     return logits, targets
 
 
@@ -278,7 +282,15 @@ def _ce_variants(logits, targets):
     low = targets < n
     unshifted = sum(torch.where(low, (s - gmax[:, None]).gather(1, targets.clamp(0, n - 1)[:, None]).squeeze(1), 0)
                     for s in shards)
+    # the owner's test off by one: `local <= n` also owns the next shard's first id (as its own last column),
+    # `local > 0` disowns its own first id
+    def owned_by(test):
+        return sum(torch.where(test(targets - r * n), (s - gmax[:, None]).gather(
+            1, (targets - r * n).clamp(0, n - 1)[:, None]).squeeze(1), 0) for r, s in enumerate(shards))
+
     return {
+        "past_end": [(lse - owned_by(lambda lo: (lo >= 0) & (lo <= n))).mean().item()] * WORLD,
+        "before_start": [(lse - owned_by(lambda lo: (lo > 0) & (lo < n))).mean().item()] * WORLD,
         "local": [wrong_local] * WORLD,
         "clamped": [(lse - clamped).mean().item()] * WORLD,
         "unshifted": [(lse - unshifted).mean().item()] * WORLD,
@@ -323,6 +335,12 @@ def _ce_mistake(rank, got, want, variants, shift):
                                  f"mask summed over the ranks) or a log of 0")
         raise AssertionError(f"with logits around {shift:.0f} rank {rank}'s loss is {got}: exp overflows; "
                              f"subtract the max over the whole vocabulary (all-reduce MAX) before exp")
+    for name, end in (("past_end", "local <= n also takes the next shard's first id"),
+                      ("before_start", "local > 0 leaves out the shard's own first id")):
+        if near(got, variants[name][rank]):
+            raise AssertionError(f"rank {rank}: your owner test is off by one at a shard's edge ({end}): a shard "
+                                 f"of n = {VOCAB // WORLD} columns owns local ids 0 .. n - 1, mine = (local >= 0) & "
+                                 f"(local < n)")
     if near(got, variants["local"][rank]):
         raise AssertionError(f"rank {rank}: each rank shifted its logits by its own max, so the sums of "
                              f"exp you added are in different units: all-reduce the max (ReduceOp.MAX) "
