@@ -99,6 +99,46 @@ def _act(norms="(t if sp else 1)", norm_outputs="1", inside="t"):
     return _ACT % (norms, norm_outputs, inside)
 
 
+_TENSOR_FORMS = '''
+def sp_block(x_shard, w1_shard, w2_shard):
+    t = dist.get_world_size()
+
+    def all_gather(x):
+        b, m, h = x.shape
+        out = x.new_empty(t * b, m, h)
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return out.view(t, b, m, h).permute(1, 0, 2, 3).reshape(b, t * m, h)
+
+    def reduce_scatter(x):
+        b, s, h = x.shape
+        stacked = x.reshape(b, t, s // t, h).permute(1, 0, 2, 3).contiguous()
+        out = x.new_empty(b, s // t, h)
+        dist.reduce_scatter_tensor(out, stacked.view(t * b, s // t, h))
+        return out
+
+    class GatherSequence(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return all_gather(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return reduce_scatter(grad)
+
+    class ScatterSequence(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, partial):
+            return reduce_scatter(partial)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return all_gather(grad)
+
+    normed = F.rms_norm(x_shard, (x_shard.shape[-1],))
+    hidden = F.gelu(GatherSequence.apply(normed) @ w1_shard.t())
+    return x_shard + ScatterSequence.apply(hidden @ w2_shard.t())
+'''
+
 WRONG = [  # (exercise, label, what the check must say, answer source)
     (1, "g backward slices", "only holds the part through its own", _block(g_backward="my_slice")),
     (1, "g-bar forward slices", "only has its own partial sum", _block(gbar_forward="my_slice")),
@@ -119,6 +159,13 @@ WRONG = [  # (exercise, label, what the check must say, answer source)
     # torch.cat's default dim, 0, the batch: g's output is [t*b, s/t, h], g-bar scatters along the sequence.
     (1, "gathers along the batch", "along dim 1, the sequence", _block().replace(
         "return torch.cat(parts, dim=1)", "return torch.cat(parts)")),
+    # The same wrong layout undone on the way out: the values are right (each token alone), the sequence
+    # attention would read is not.
+    (1, "all_gather_into_tensor viewed as [b, s, h] without the transpose", "positions out of order",
+     _TENSOR_FORMS.replace("out.view(t, b, m, h).permute(1, 0, 2, 3).reshape(b, t * m, h)", "out.view(b, t * m, h)")
+     .replace("stacked = x.reshape(b, t, s // t, h).permute(1, 0, 2, 3).contiguous()", "stacked = x.contiguous()")),
+    (1, "gathers and scatters along the batch", "along the batch dimension",
+     _block().replace("torch.cat(parts, dim=1)", "torch.cat(parts, dim=0)").replace("x.chunk(t, dim=1)", "x.chunk(t, dim=0)")),
     (1, "gathers in reverse rank order", "in rank order", _block().replace(
         "return torch.cat(parts, dim=1)", "return torch.cat(parts[::-1], dim=1)")),
     (1, "g-bar forward averages", "the reduce-scatter sums", _block(gbar_forward="averaged")),
@@ -161,45 +208,7 @@ def activation_bytes_per_rank(cfg, b, s, t, sp):
 RIGHT = [  # (exercise, label, answer source): unusual but right
     # The tensor forms of the collectives: all_gather_into_tensor stacks along dim 0, so the ranks' chunks
     # are moved to the sequence dim by hand, and back before reduce_scatter_tensor.
-    (1, "all_gather_into_tensor and reduce_scatter_tensor", '''
-def sp_block(x_shard, w1_shard, w2_shard):
-    t = dist.get_world_size()
-
-    def all_gather(x):
-        b, m, h = x.shape
-        out = x.new_empty(t * b, m, h)
-        dist.all_gather_into_tensor(out, x.contiguous())
-        return out.view(t, b, m, h).permute(1, 0, 2, 3).reshape(b, t * m, h)
-
-    def reduce_scatter(x):
-        b, s, h = x.shape
-        stacked = x.reshape(b, t, s // t, h).permute(1, 0, 2, 3).contiguous()
-        out = x.new_empty(b, s // t, h)
-        dist.reduce_scatter_tensor(out, stacked.view(t * b, s // t, h))
-        return out
-
-    class GatherSequence(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return all_gather(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return reduce_scatter(grad)
-
-    class ScatterSequence(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, partial):
-            return reduce_scatter(partial)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return all_gather(grad)
-
-    normed = F.rms_norm(x_shard, (x_shard.shape[-1],))
-    hidden = F.gelu(GatherSequence.apply(normed) @ w1_shard.t())
-    return x_shard + ScatterSequence.apply(hidden @ w2_shard.t())
-'''),
+    (1, "all_gather_into_tensor and reduce_scatter_tensor", _TENSOR_FORMS),
     (1, "async collectives on the world group, split and stack", '''
 def sp_block(x_shard, w1_shard, w2_shard):
     t, group = dist.get_world_size(), dist.group.WORLD

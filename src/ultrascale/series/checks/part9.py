@@ -53,14 +53,75 @@ def _block_case(sp_block, seed):
     x_shard = x[:, rows].clone().requires_grad_()
     w1_shard = w1[mine].clone().requires_grad_()
     w2_shard = w2[:, mine].clone().requires_grad_()
-    out = sp_block(x_shard, w1_shard, w2_shard)
+    with _Layouts(world) as layouts:
+        out = sp_block(x_shard, w1_shard, w2_shard)
     assert out is not None, "sp_block returned None: return the block's output for this rank's positions"
     forward = watch.calls()
     if out.requires_grad and tuple(out.shape) == tuple(cot[:, rows].shape):
         (out * cot[:, rows]).sum().backward()
     backward = watch.calls()[len(forward):]
     grads = [None if t.grad is None else t.grad.detach().clone() for t in (x_shard, w1_shard, w2_shard)]
-    return out.detach().clone(), grads, forward, backward
+    return out.detach().clone(), grads, forward, backward, _layout_mistake(layouts.seen, x, world)
+
+
+def _Layouts(world: int):
+    """A torch function mode keeping every tensor the block made or read in the shapes of the whole
+    sequence, [b, s, h], or of the shards stacked along the batch, [t*b, s/t, h]: what attention would
+    read in the region, which this block (each token alone) cannot show by its values."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    shapes = {(B, S, H), (world * B, S // world, H)}
+
+    class Layouts(TorchFunctionMode):
+        seen: list = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out, *args):
+                if torch.is_tensor(t) and tuple(t.shape) in shapes and t.dtype.is_floating_point:
+                    Layouts.seen.append(t.detach().clone())
+            return out
+
+    Layouts.seen = []
+    return Layouts()
+
+
+def _layout_mistake(seen, x, world):
+    """What the gathered sequence says, when it is not the sequence in order: 'interleaved' (the positions
+    out of order in [b, s, h]) or 'batch' (the shards stacked along the batch); None when the sequence
+    appeared in order (of x or of its norm), or never in either wrong form."""
+    import torch
+    import torch.nn.functional as F
+
+    full = [x, F.rms_norm(x, (H,))]
+    stacked = [torch.cat(r.chunk(world, dim=1), dim=0) for r in full]
+
+    def close(a, b):
+        return tuple(a.shape) == tuple(b.shape) and torch.allclose(a, b, atol=1e-5)
+
+    def same_tokens(a, b):  # the same token vectors, in another order
+        d = torch.cdist(a.reshape(-1, H).double(), b.reshape(-1, H).double())
+        return bool((d.min(dim=1).values < 1e-4).all())
+
+    if any(close(t, r) for t in seen for r in full):
+        return None
+    if any(tuple(t.shape) == (B, S, H) and same_tokens(t, r) for t in seen for r in full):
+        return "interleaved"
+    if any(close(t, r) for t in seen for r in stacked):
+        return "batch"
+    return None
+
+
+_LAYOUT_MESSAGES = {
+    "interleaved": "your gathered sequence has its positions out of order: all_gather_into_tensor stacks the "
+                   "ranks' [b, s/t, h] shards along dim 0, so .view(b, s, h) interleaves the batch and the "
+                   "positions; view it as [t, b, s/t, h] and move the rank axis next to the sequence, "
+                   ".view(t, b, s // t, h).transpose(0, 1).reshape(b, s, h) (and the inverse before the "
+                   "reduce-scatter)",
+    "batch": "you gathered the shards along the batch dimension ([t*b, s/t, h]): g all-gathers along dim 1, "
+             "the sequence, so that every position of each sequence is on every rank",
+}
 
 
 def _block_reference(x, w1, w2, cot, cols=None, cot_rows=None):
@@ -231,13 +292,20 @@ def exercise_1(sp_block):
         raise said from None
     x, w1, w2, cot = _block_tensors(seed)
     want = _block_reference(x, w1, w2, cot)
-    for rank, (got, _, forward, backward) in enumerate(results):
+    for rank, (got, _, forward, backward, _) in enumerate(results):
         _sp_output(rank, got, x, w1, w2, cot, want[0])
         _sp_forbidden(rank, forward, backward)
-    for rank, (_, grads, _, _) in enumerate(results):
+    for rank, (_, grads, _, _, _) in enumerate(results):
         _sp_gradients(rank, grads, x, w1, w2, cot, want)
-    for rank, (_, _, forward, backward) in enumerate(results):
+    for rank, (_, _, forward, backward, _) in enumerate(results):
         _sp_collectives(rank, forward, backward)
+    for rank, (*_, layout) in enumerate(results):
+        # This block acts on each token alone, so the right values hide a wrong layout that is undone on the
+        # way out; attention, in the same region of a transformer, would read the wrong sequence.
+        if layout is not None:
+            raise AssertionError(f"rank {rank}: the output is right, but {_LAYOUT_MESSAGES[layout]}. (This block "
+                                 f"acts on each token alone, so its values hide the layout; attention, in the same "
+                                 f"region of a transformer, would read a wrong sequence.)")
 
 
 # -- exercise 2: activation memory per rank, TP vs TP+SP -----------------------------------------
