@@ -346,7 +346,8 @@ pp 2, how the 256 sequences can be made, and what the micro-batch costs:
             STEP2,
             md(r'''
 A larger micro-batch means more activations (and does not fit past the first), and fewer micro-batches
-mean a larger pipeline bubble: with $m$ micro-batches on $p$ stages, 1F1B idles $(p-1)/m$ of the time.
+mean a larger pipeline bubble: with $m$ micro-batches on $p$ stages, 1F1B's idle time is $(p-1)/m$ of its
+compute time (Part 11's bubble ratio).
 Under pipeline parallelism the accumulation steps **are** the pipeline's micro-batches, so a small
 micro-batch is doubly welcome.
 '''),

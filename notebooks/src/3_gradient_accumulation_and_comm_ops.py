@@ -332,9 +332,10 @@ micro-batch, not with the batch. Measured with autograd's saved-tensor hooks on 
 '''),
             GA_MEMORY,
             md(r'''
-The activation memory follows the micro-batch: 8,240 bytes per sample here, so a micro-batch of 2 keeps a
-quarter of what the batch of 8 keeps; only the 12,288 bytes of the weight that autograd also saves stay
-whatever the batch. The price is time: the $k$ micro-batches run **one after another**, so a step takes $k$
+The activation memory follows the micro-batch: 8,240 bytes per sample here, so the samples' part of a
+micro-batch of 2 is a quarter of the batch of 8's (16,480 of 65,920 bytes); with the 12,288 bytes of the
+weight that autograd also saves, whatever the batch, the micro-batch keeps 28,768 of 78,208 bytes, 37%.
+The larger the batch, the closer that share comes to a quarter. The price is time: the $k$ micro-batches run **one after another**, so a step takes $k$
 forward/backward passes. Part 5 puts numbers on the trade-off between accumulation and more GPUs.
 '''),
         ]),
