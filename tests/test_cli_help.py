@@ -54,3 +54,22 @@ def test_files_are_named_when_written_with_ordinary_permissions(tmp_path):
         assert f"wrote {tmp_path / 'a.jsonl'}: one JSON line per step" in r.stdout
     finally:
         os.umask(old)
+
+
+def _parsers(parser, prog="ultrascale"):
+    import argparse
+
+    yield prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{prog} {name}")
+
+
+def test_no_help_text_stops_before_what_it_introduces():
+    # A description cut at a paragraph break ends on the colon of the list it was about to give.
+    from ultrascale.cli import build_parser
+
+    for prog, p in _parsers(build_parser()):
+        text = (p.description or "").rstrip()
+        assert not text.endswith(":"), (prog, text[-200:])

@@ -22,6 +22,7 @@ redoes only the pieces without one. The split is a function of the corpus alone
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
@@ -40,8 +41,10 @@ SETTINGS = ".prepare.json"  # what this directory is being prepared from: a run 
 def add_parser(sub) -> None:
     p = sub.add_parser("data", help="prepare a corpus once as memory-mapped token shards (any size)")
     verbs = p.add_subparsers(dest="data_command", required=True)
+    # The docstring's account of SOURCE and of the shards, laid out as written (its table of files kept).
     q = verbs.add_parser("prepare", help="tokenize SOURCE into OUT_DIR, on every core",
-                         description=__doc__.split("\n\n")[2])
+                         description="\n\n".join(__doc__.split("\n\n")[2:4]),
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     q.add_argument("source", metavar="SOURCE", help="text file, directory, glob, .jsonl, .parquet or hf:DATASET_DIR")
     q.add_argument("out", metavar="OUT_DIR", help="where the shards and index.json go")
     q.add_argument("--tokenizer", default="bytes", help="'bytes' (default) or a local Hugging Face tokenizer directory")
