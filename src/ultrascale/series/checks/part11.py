@@ -166,32 +166,39 @@ def exercise_1(one_f_one_b_stage):
 # -- exercise 2 ---------------------------------------------------------------------------------
 
 def _reference(lists, t_f, t_b, waits=("F", "B"), start="max", ends="end", durations="own", T="max",
-               busy="max", over="busy"):
+               busy="max", over="busy", order="list"):
     """(step time, bubble ratio): each action starts when its stage is free and its input has
     arrived (F k after F k on the stage before; B k after B k on the stage after). The keywords
     replay one mistake each: which inputs are waited for, how the start combines the stage's clock
     with the input (max; their sum; the input alone), whether a stage waits for the end of the action
     it depends on or its start, stage 0's durations everywhere, the last stage's clock as T, the
-    average or total compute as busy, and the idle time over T."""
+    average or total compute as busy, the idle time over T, and (order="ready") a stage that runs the first
+    action further down its list whose input is in when the next one's is not."""
     p = len(lists)
     t_f, t_b = ([x[0]] * p for x in (t_f, t_b)) if durations == "stage 0" else (t_f, t_b)
     began, end = {}, {}
-    pos, clock = [0] * p, [0.0] * p
-    while any(pos[s] < len(lists[s]) for s in range(p)):
+    left, clock = [list(acts) for acts in lists], [0.0] * p
+
+    def dep_of(s, kind, k):
+        other = s - 1 if kind == "F" else s + 1
+        return (kind, k, other) if kind in waits and 0 <= other < p else None
+
+    while any(left):
         moved = False
         for s in range(p):
-            while pos[s] < len(lists[s]):
-                kind, k = lists[s][pos[s]]
-                other = s - 1 if kind == "F" else s + 1
-                dep = (kind, k, other) if kind in waits and 0 <= other < p else None
-                if dep is not None and dep not in end:
+            while left[s]:
+                looked = left[s] if order == "ready" else left[s][:1]
+                i = next((i for i, (kind, k) in enumerate(looked) if dep_of(s, kind, k) in end or
+                          dep_of(s, kind, k) is None), None)
+                if i is None:
                     break
+                kind, k = left[s].pop(i)
+                dep = dep_of(s, kind, k)
                 ready = 0.0 if dep is None else (end if ends == "end" else began)[dep]
                 began[(kind, k, s)] = {"max": max(clock[s], ready), "sum": clock[s] + ready,
                                        "input": ready if dep is not None else clock[s]}[start]
                 clock[s] = began[(kind, k, s)] + (t_f[s] if kind == "F" else t_b[s])
                 end[(kind, k, s)] = clock[s]
-                pos[s] += 1
                 moved = True
         if not moved:
             raise RuntimeError("deadlock")
@@ -221,6 +228,9 @@ MISTAKES_2 = [
                         "compute, not the average"),
     (dict(busy="sum"), "divides by the compute of all stages together: the ratio is over the busiest stage's "
                        "compute, one stage's work"),
+    (dict(order="ready"), "runs, when the next action's input has not arrived, an action further down the "
+                          "stage's list whose input has: the schedule is the order of the list; a stage waits "
+                          "for its next action's input, and that wait is the bubble it measures"),
     (dict(over="T"), "divides the idle time by the step time; the bubble ratio divides it by the compute time "
                      "of the busiest stage: (T - busy) / busy"),
 ]
@@ -232,8 +242,11 @@ def _lists(name, p, m):
     return [[(a.kind, a.micro) for a in acts] for acts in build(name, p, m)]
 
 
+# The naive schedule too: there a stage that ran ahead to an action further down its list would
+# shorten the step (8 units for the list's 12 at p = 3, m = 2, running the first ready one), where 1F1B's and AFAB's orders leave
+# nothing to gain.
 EQUAL_2 = [("1f1b", 4, 8, 1.0, 2.0), ("afab", 4, 8, 1.0, 2.0), ("1f1b", 2, 3, 0.5, 1.0),
-           ("1f1b", 4, 16, 1.0, 2.0), ("afab", 3, 5, 2.0, 3.0)]
+           ("1f1b", 4, 16, 1.0, 2.0), ("afab", 3, 5, 2.0, 3.0), ("naive", 3, 2, 1.0, 1.0), ("naive", 4, 3, 1.0, 2.0)]
 # Unequal stages (the last one carries the head and the loss; a slow first stage makes the others
 # wait for its forwards): against the definition.
 UNEQUAL_2 = [("1f1b", 4, 8, [1.0, 1.0, 1.0, 2.0], [2.0, 2.0, 2.0, 3.0]),
