@@ -255,6 +255,22 @@ def ring_all_reduce(t):
         exchange(chunks[out], buf, left, right)
         chunks[into].copy_(buf)
 '''),
+    (2, "reduce-scatter rightwards, all-gather leftwards", '''
+def ring_all_reduce(t):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    chunks = list(t.tensor_split(world))
+    for step in range(world - 1):   # reduce-scatter, rightwards: rank r ends with the sum of chunk r + 1
+        out, into = (rank - step) % world, (rank - step - 1) % world
+        buf = torch.empty_like(chunks[into])
+        exchange(chunks[out], buf, right, left)
+        chunks[into] += buf
+    for step in range(world - 1):   # all-gather, leftwards
+        out, into = (rank + 1 + step) % world, (rank + 2 + step) % world
+        buf = torch.empty_like(chunks[into])
+        exchange(chunks[out], buf, left, right)
+        chunks[into].copy_(buf)
+'''),
     (2, "irecv posted first, chunks of t.chunk", '''
 def ring_all_reduce(t):
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -254,6 +254,18 @@ def _peers(calls, nbytes, ring):
         if not to[r]:
             raise AssertionError(f"rank {r} sent nothing while others did: in a ring every rank sends one chunk "
                                  f"to its right-hand neighbour in each of the 2(N-1) steps")
+    # Each phase a ring of its own: the reduce-scatter's N - 1 sends one way round, the all-gather's
+    # the same way or the other (the same chunks and bytes, the sum unchanged).
+    phases = [[_sends(mine)[:n - 1] for mine in calls], [_sends(mine)[n - 1:] for mine in calls]]
+    if n > 2 and all(len(_sends(mine)) == 2 * (n - 1) for mine in calls) and all(
+            any(all({c.peer for c in phase[r]} == {(r + way) % n} for r in range(n)) for way in (1, -1))
+            for phase in phases):
+        for r in range(n):
+            frm = {c.peer for c in _recvs(calls[r]) if c.peer is not None}
+            if not frm <= {(r + 1) % n, (r - 1) % n}:
+                raise AssertionError(f"rank {r} receives from rank(s) {sorted(frm)}: in a ring a rank receives only "
+                                     f"from its neighbours, (rank - 1) % N and (rank + 1) % N")
+        return
     for way, name in ((1, "right-hand"), (-1, "left-hand")):
         if all(to[r] == [(r + way) % n] for r in range(n)):
             frm = [sorted({c.peer for c in _recvs(mine) if c.peer is not None}) for mine in calls]
