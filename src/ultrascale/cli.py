@@ -338,10 +338,10 @@ def _verify_once(path: str) -> None:
     loads it: here in the launcher (or the one process); under torchrun on rank 0, before it
     joins the others (they wait for it, and its exit ends the run before anything is loaded)."""
     from ultrascale.distributed.launch import launched_locally
-    from ultrascale.train.integrity import verify
+    from ultrascale.train.resume import verified
 
     if not launched_locally() and os.environ.get("RANK", "0") == "0":
-        verify(path)
+        verified(path)
 
 
 def _clean_partial_save(cfg) -> None:

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from ultrascale.errors import ConfigError
 from ultrascale.train import integrity
 from ultrascale.train.data import tokenizer_identity
-from ultrascale.train.resume import FORMAT, put_back_old, read_meta
+from ultrascale.train.resume import FORMAT, put_back_old, read_meta, verified
 
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
 
@@ -320,7 +320,7 @@ def load(path: str, trainer) -> int:
     """Fill this rank's masters and Adam moments from `path`, whatever layout wrote it; the step.
 
     Every listed file is checked for its size here, on each rank (read_meta); the checksums
-    were checked once before the run started (`ultrascale train`), or call `integrity.verify`."""
+    were checked once before the run started (`ultrascale train`), or call `resume.verified`."""
     meta = read_meta(path)
     # Adam's count of updates; a checkpoint written before it was kept counted every step as one.
     trainer.optimizer_steps = meta.get("optimizer_steps", meta["step"])
@@ -347,7 +347,7 @@ def read_full_state(path: str) -> tuple[dict, dict]:
     from ultrascale.train.resume import latest
 
     path = latest(path)  # a directory of per-step saves (--keep-last): the latest
-    meta = integrity.verify(path, what="checkpoint")  # every byte, before DCP reads any
+    meta = verified(path, what="checkpoint")  # every byte, before DCP reads any
     index = _read_index(path, "checkpoint")
     full = {fqn[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
             for fqn, md in index.state_dict_metadata.items() if fqn.startswith("model.")}

@@ -67,14 +67,13 @@ def _entry(e) -> bool:
     return isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get(ALGORITHM), str)
 
 
-def verify(path: str, what: str = "--resume") -> dict:
-    """meta.json, and every file it lists against its size and checksum; the meta.
+def verify(path: str, meta: dict, what: str = "--resume") -> dict:
+    """Every file a checkpoint's meta.json lists against its checksum; the meta. `meta` is what
+    resume.read_meta read, which has checked each file's size already (so a missing or truncated
+    file fails before any byte is read).
 
     A checkpoint of format 2 lists no files: it is accepted with a warning on stderr
     (its tensors are stored as in format 3, so it loads as before, unchecked)."""
-    from ultrascale.train.resume import read_meta
-
-    meta = read_meta(path, what)  # with check_files: a missing or truncated file fails here, before any read
     if meta["format"] == 2:
         print(f"ultrascale: warning: {what} {path} is a checkpoint of format 2, which lists no checksums: "
               f"it is loaded unverified; a save from it (train --resume {path} --save DIR) writes format 3, "

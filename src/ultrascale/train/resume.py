@@ -250,6 +250,13 @@ def read_meta(path: str, what: str = "--resume") -> dict:
     return meta
 
 
+def verified(path: str, what: str = "--resume") -> dict:
+    """read_meta, then every file it lists against its checksum (integrity.verify): the meta."""
+    from ultrascale.train.integrity import verify
+
+    return verify(path, read_meta(path, what), what)
+
+
 def _parse_meta(meta_file: str, what: str, path: str) -> dict:
     try:
         with open(meta_file, encoding="utf-8") as f:
