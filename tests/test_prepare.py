@@ -378,3 +378,22 @@ def test_a_hugging_face_dataset_directory_prepares_like_it_reads(tmp_path, monke
     index = read_index(str(out))
     assert index["splits"]["train"]["docs"] + index["splits"]["val"]["docs"] == 50_000
     assert len(index["splits"]["train"]["shards"]) == 3  # 20,000 rows a segment: three pieces, on two workers
+
+
+def test_a_prepare_that_failed_before_any_piece_is_redone_when_corrected(tmp_path):
+    # A wrong --data-column fails on the first piece, leaving only prepare's own files: the corrected
+    # command starts afresh instead of calling the folder "another preparation".
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps({"txt": f"row {i} of the corpus"}) + "\n" for i in range(40)))
+    out = tmp_path / "out"
+    one_line_error(ultrascale("data", "prepare", str(source), str(out)), "no 'text' field", "--data-column")
+    assert out.exists()
+    r = ultrascale("data", "prepare", str(source), str(out), "--data-column", "txt")
+    assert r.returncode == 0 and (out / "index.json").is_file(), r.stderr
+    # A folder holding anything else is still refused (the user's files are never removed).
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / ".prepare.json").write_text("{}")
+    (other / "notes.txt").write_text("mine")
+    one_line_error(ultrascale("data", "prepare", str(source), str(other), "--data-column", "txt"), "holds")
+    assert (other / "notes.txt").read_text() == "mine"

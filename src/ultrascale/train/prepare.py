@@ -148,7 +148,16 @@ def _check_out(out: str, settings: dict, overwrite: bool) -> str:
             same = False
     if same:
         return "done" if os.path.isfile(os.path.join(out, "index.json")) else "resume"
-    if overwrite:
+    # A preparation that failed before any piece was finished (a wrong --data-column, say): only its own
+    # files, no piece record, no index. Run again with the mistake corrected, it starts afresh.
+    import re
+
+    pieces = os.path.join(out, "pieces")
+    ours = re.compile(r"(\.prepare\.json|pieces|index\.json\.tmp|(train|val)-\d{5}\.(bin|docs)(\.tmp)?)")
+    unfinished = os.path.isfile(mine) and all(ours.fullmatch(n) for n in held) and not any(
+        n.endswith(".json") for n in (os.listdir(pieces) if os.path.isdir(pieces) else []))
+    if overwrite or unfinished:  # unfinished: a preparation that failed before any piece, corrected now
+
         import shutil
 
         shutil.rmtree(out)
