@@ -631,6 +631,13 @@ def test_a_run_on_a_corpus_prepared_with_a_tokenizer_keeps_that_tokenizer(no_net
     assert text.startswith("the cat") and "\ufffd" not in text and new and set(new) <= words, text
     assert main(["export", "--hf", str(tmp_path / "out"), ck]) == 0
     assert os.path.isfile(tmp_path / "out" / "tokenizer.json")
+    # Started from that folder on raw text, no --tokenizer given: its tokenizer, not bytes, for the vocabulary
+    # its embedding was trained on.
+    again = str(tmp_path / "again")
+    assert main(["train", "--init-from", f"hf:{tmp_path / 'out'}", "--data", str(tmp_path / "src"), "--seq-len", "8",
+                 "--micro-batch", "4", "--steps", "1", "--no-progress", "--save", again]) == 0
+    recorded = json.load(open(os.path.join(again, "meta.json")))["config"]["train"]["tokenizer"]
+    assert os.path.abspath(recorded) == os.path.abspath(tmp_path / "out"), recorded
     # another tokenizer than the corpus's is refused before the run, in one line
     other = tmp_path / "other"
     raw2 = type(raw).from_str(raw.to_str())

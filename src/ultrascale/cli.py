@@ -233,9 +233,12 @@ def parse_train_config(args):
         resumed = (meta, given)
     model = None
     if given["train"].get("init_from"):
-        from ultrascale.model.hf import model_from_checkpoint
+        from ultrascale.model.hf import checkpoint_tokenizer, model_from_checkpoint
 
         model = model_from_checkpoint(given["train"]["init_from"], {**file_values.get("model", {}), **flags["model"]})
+        own = checkpoint_tokenizer(given["train"]["init_from"])
+        if own and "tokenizer" not in given["train"]:
+            flags["train"]["tokenizer"] = own  # the vocabulary its embedding was trained on, not bytes
     return build_config(file_values, flags, model), resumed
 
 

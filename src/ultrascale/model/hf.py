@@ -419,6 +419,13 @@ def parse_init_from(spec: str) -> str:
     return spec[3:]
 
 
+def checkpoint_tokenizer(init_from: str) -> str:
+    """The tokenizer directory a transformers checkpoint carries (its tokenizer.json or
+    tokenizer_config.json beside the weights), or "" when it has none."""
+    path = parse_init_from(init_from)
+    return path if any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")) else ""
+
+
 def model_from_checkpoint(init_from: str, given: dict) -> ModelConfig:
     """The model shape of --init-from hf:DIR: its config.json, a layer under the flags and the
     file. A model field given there must agree with it; one that contradicts it is refused."""
