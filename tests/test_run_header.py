@@ -45,7 +45,8 @@ def test_a_plain_run_says_what_it_is_before_step_one_and_nothing_on_stderr(tmp_p
                        "steps 1-2")
     assert head[3] == "precision: fp32, eager, recompute none"
     assert head[4] == f"writes: JSONL {log}, no TensorBoard, no W&B; checkpoint {ck} every step"
-    assert head[5].startswith("data: ")
+    assert head[5].startswith("data: ") and head[5].endswith(
+        "; tokenizer: bytes (256 byte values and end-of-document; the model's vocabulary 257)")
     assert head[6] == ("peak 1 TFLOP/s per device (given, fp32, cpu (1 thread)): MFU is measured against it "
                        "(given with --peak)")
     # Below the peak, MFU is a figure and the flag says so.

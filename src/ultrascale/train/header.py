@@ -125,3 +125,10 @@ def start_lines(trainer) -> list[str]:
         lines.append(f"compiling {_plural(n, 'transformer block')}{on} with torch.compile: "
                      f"the first step includes the compile")
     return lines
+
+
+def tokenizer_words(spec: str, vocab: int) -> str:
+    """The run's tokenizer as the data line says it: what its ids mean (a checkpoint records the same)."""
+    if spec in ("", "bytes"):
+        return f"bytes (256 byte values and end-of-document; the model's vocabulary {vocab})"
+    return f"{spec} (Hugging Face; the model's vocabulary {vocab})"

@@ -31,7 +31,7 @@ from ultrascale.model.moe import moe_layers, step_loads, update_router_bias
 from ultrascale.spans import BACKWARD, EVAL, FORWARD, OPTIMIZER, STEP, comm, span
 from ultrascale.train import resume
 from ultrascale.train.data import check_eval, is_prepared_spec, load_tokenizer, prepared_tokenizer, run_batches
-from ultrascale.train.header import header_lines, start_lines
+from ultrascale.train.header import header_lines, start_lines, tokenizer_words
 from ultrascale.train.loss_scale import DynamicLossScaler
 from ultrascale.train.metrics import ActivationMeter, optimizer_state_tensors, peak_resident_bytes, storage_bytes
 from ultrascale.train.optim import build_adamw, clip_grad_norm_, lr_at
@@ -332,7 +332,7 @@ class Trainer:
         # What the run is (model, layout, batch, precision, where it writes), then its data and its peak.
         for line in header_lines(self) + log.destinations():
             log.say(line)
-        log.say(f"data: {self.data_line}")
+        log.say(f"data: {self.data_line}; tokenizer: {tokenizer_words(t.tokenizer, self.cfg.model.vocab_size)}")
         if t.eval_every:
             log.say(f"validation: every {t.eval_every} steps, {self.eval_batches()} global batches "
                     f"({self.eval_batches() * self.cfg.global_batch * t.seq_len:,} tokens) of the held-out split")
