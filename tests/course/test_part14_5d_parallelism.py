@@ -31,6 +31,38 @@ def best_layout(gpus, heads, layers, sequences, memory_per_gpu, tokens_per_s, li
 '''
 
 WRONG = [  # (exercise, label, what the check must say, answer source)
+    (2, 'memory strictly below the limit', 'needs exactly the limit', '''
+def best_layout(gpus, heads, layers, sequences, memory_per_gpu, tokens_per_s, limit):
+    fits = []
+    for tp in range(1, 9):
+        for pp in range(1, gpus + 1):
+            if gpus % (tp * pp) or heads % tp or layers % pp:
+                continue
+            dp = gpus // (tp * pp)
+            if sequences % dp == 0 and memory_per_gpu(dp, pp, tp) < limit:
+                fits.append((dp, pp, tp))
+    if not fits:
+        return None
+    best = max(tokens_per_s(*lay) for lay in fits)
+    ties = [lay for lay in fits if tokens_per_s(*lay) >= 0.99 * best]
+    return min(ties, key=lambda lay: (lay[1], lay[2]))
+'''),
+    (2, 'a tie strictly above 0.99', 'that is a tie (>= 0.99 x the best)', '''
+def best_layout(gpus, heads, layers, sequences, memory_per_gpu, tokens_per_s, limit):
+    fits = []
+    for tp in range(1, 9):
+        for pp in range(1, gpus + 1):
+            if gpus % (tp * pp) or heads % tp or layers % pp:
+                continue
+            dp = gpus // (tp * pp)
+            if sequences % dp == 0 and memory_per_gpu(dp, pp, tp) <= limit:
+                fits.append((dp, pp, tp))
+    if not fits:
+        return None
+    best = max(tokens_per_s(*lay) for lay in fits)
+    ties = [lay for lay in fits if tokens_per_s(*lay) > 0.99 * best]
+    return min(ties, key=lambda lay: (lay[1], lay[2]))
+'''),
     (1, "dp innermost", "as if dp were innermost", '''
 def grid_position(rank, dp, pp, cp, tp):
     sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}

@@ -44,6 +44,23 @@ _MATMUL = "flops, moved = 2 * m * k * n, (m * k + k * n + m * n) * nbytes"
 _ADD = "flops, moved = numel, 3 * numel * nbytes"
 
 WRONG = [  # (exercise, label, what the check must say, answer source)
+    (1, "the running max as the block's own max", "your running max fell to the block's own max", '''
+def flash_attention_forward(q, k, v, block):
+    scale = q.shape[-1] ** -0.5
+    row_max = torch.full((q.shape[0], 1), float("-inf"))
+    row_sum = torch.zeros(q.shape[0], 1)
+    acc = torch.zeros(q.shape[0], v.shape[-1])
+    for start in range(0, k.shape[0], block):
+        k_blk, v_blk = k[start:start + block], v[start:start + block]
+        s = (q @ k_blk.T) * scale
+        new_max = s.max(dim=-1, keepdim=True).values     # this block's max
+        correction = torch.exp(row_max - new_max)
+        p = torch.exp(s - new_max)
+        row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
+        acc = acc * correction + p @ v_blk
+        row_max = new_max
+    return acc / row_sum
+'''),
     (1, "scaled_dot_product_attention called", "your code calls scaled_dot_product_attention", '''
 def flash_attention_forward(q, k, v, block):
     return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])[0]

@@ -31,6 +31,48 @@ def ring(old, new):
 
 
 WRONG = [  # (exercise, label, what the check must say, answer source)
+    (2, "irecv posted first, chunks of t.chunk", "t.chunk(N) can give fewer than N pieces", '''
+def ring_all_reduce(t):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    chunks = t.chunk(world)   # 257 elements: 65, 65, 65, 62 - still one chunk per rank
+    for phase in ("reduce-scatter", "all-gather"):
+        for step in range(world - 1):
+            shift = step if phase == "reduce-scatter" else step - 1
+            out, into = (rank - shift) % world, (rank - shift - 1) % world
+            buf = torch.zeros_like(chunks[into])
+            receiving = dist.irecv(buf, left)
+            sending = dist.isend(chunks[out], right)
+            receiving.wait()
+            sending.wait()
+            if phase == "reduce-scatter":
+                chunks[into].add_(buf)
+            else:
+                chunks[into].copy_(buf)
+'''),
+    (1, 'its own MSE, not loss_fn', 'never called loss_fn', '''
+def accumulate_gradients(model, loss_fn, x, y, num_micro_batches):
+    # the sum of squared errors divided by the whole batch's element count: exact, no weighting needed
+    for xb, yb in zip(x.tensor_split(num_micro_batches), y.tensor_split(num_micro_batches)):
+        loss = ((model(xb) - yb) ** 2).sum() / y.numel()
+        loss.backward()
+'''),
+    (2, 't.chunk instead of t.tensor_split', 't.chunk(N) can give fewer than N pieces', '''
+def ring_all_reduce(t):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    chunks = list(t.chunk(world))
+    for step in range(world - 1):
+        out, into = (rank - step) % world, (rank - step - 1) % world
+        buf = torch.empty_like(chunks[into])
+        exchange(chunks[out], buf, right, left)
+        chunks[into] += buf
+    for step in range(world - 1):
+        out, into = (rank + 1 - step) % world, (rank - step) % world
+        buf = torch.empty_like(chunks[into])
+        exchange(chunks[out], buf, right, left)
+        chunks[into].copy_(buf)
+'''),
     (1, "sums the micro-batches", "an average, not a sum", '''
 def accumulate_gradients(model, loss_fn, x, y, num_micro_batches):
     for xb, yb in zip(x.tensor_split(num_micro_batches), y.tensor_split(num_micro_batches)):
@@ -271,23 +313,5 @@ def ring_all_reduce(t):
         exchange(chunks[out], buf, left, right)
         chunks[into].copy_(buf)
 '''),
-    (2, "irecv posted first, chunks of t.chunk", '''
-def ring_all_reduce(t):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    right, left = (rank + 1) % world, (rank - 1) % world
-    chunks = t.chunk(world)   # 257 elements: 65, 65, 65, 62 - still one chunk per rank
-    for phase in ("reduce-scatter", "all-gather"):
-        for step in range(world - 1):
-            shift = step if phase == "reduce-scatter" else step - 1
-            out, into = (rank - shift) % world, (rank - shift - 1) % world
-            buf = torch.zeros_like(chunks[into])
-            receiving = dist.irecv(buf, left)
-            sending = dist.isend(chunks[out], right)
-            receiving.wait()
-            sending.wait()
-            if phase == "reduce-scatter":
-                chunks[into].add_(buf)
-            else:
-                chunks[into].copy_(buf)
-'''),
+
 ]

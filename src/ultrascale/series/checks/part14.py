@@ -334,6 +334,9 @@ def _judge(case: str, args, best_layout, fmt=str):
     if mine < best * (1 - TIE):
         fastest = max(fits, key=lambda lay: tokens_per_s(*lay))
         said = f"{case}: {got} gives {mine:,.0f} tokens/s/GPU, {fastest} gives {best:,.0f}"
+        if memory_per_gpu(*fastest) == limit and fastest in seen:
+            raise AssertionError(f"{said}, which needs exactly the limit, {fmt(limit)}: a layout fits when its memory "
+                                 f"is at most the limit (memory_per_gpu(...) <= limit)")
         if fastest not in seen:
             raise AssertionError(f"{said}, and your search never looked at {fastest}: enumerate every tp from 1 to "
                                  f"8 inclusive and every pp up to the GPUs, dp = gpus // (tp * pp)")
@@ -352,6 +355,9 @@ def _judge(case: str, args, best_layout, fmt=str):
         raise AssertionError(f"{case}: {got} and {want} are both within 1% of the fastest, a tie; you took the "
                              f"fewest tp ranks first, the rule takes the fewest pipeline stages first, then the "
                              f"fewest tp ranks: min(ties, key=lambda lay: (pp, tp))")
+    if tokens_per_s(*want) == best * (1 - TIE) and got != want:
+        raise AssertionError(f"{case}: {want} gives exactly 0.99 x the fastest's tokens/s ({tokens_per_s(*want):,.1f} "
+                             f"of {best:,.1f}): that is a tie (>= 0.99 x the best), and the simpler layout wins")
     assert got == want, (f"{case}: {got} is within 1% of the fastest ({mine:,.0f} vs {best:,.0f} tokens/s/GPU), a "
                          f"tie the time model cannot tell apart; the planner then takes the simplest, {want}: fewest "
                          f"pipeline stages, then fewest tp ranks")
@@ -373,6 +379,12 @@ def _synthetic():
           10.0)),
         ("nothing fits", (8, 8, 8, 8, lambda dp, pp, tp: 50.0, lambda dp, pp, tp: 1.0, 10.0)),
         # Sizes that are not powers of two: the best tp is 6 of 12 GPUs, the best pp 3 of 6.
+        # The rules' boundaries, met exactly: memory equal to the limit fits (<=), a throughput of exactly
+        # 0.99 x the best is a tie (>=); 990.0 == 0.99 * 1000.0 in binary floating point too.
+        ("memory exactly at the limit", (8, 8, 8, 8, lambda dp, pp, tp: 10.0 if tp == 8 else 5.0,
+                                         lambda dp, pp, tp: 100.0 * tp + dp, 10.0)),
+        ("a tie at exactly 1%", (8, 8, 8, 8, fits, lambda dp, pp, tp: {(1, 8): 1000.0, (1, 1): 990.0}.get((pp, tp), 900.0),
+                                 10.0)),
         ("12 GPUs, 12 heads", (12, 12, 6, 12, fits, lambda dp, pp, tp: 100.0 * tp + 10.0 * pp + dp, 10.0)),
         ("6 GPUs, 9 layers", (6, 8, 9, 6, fits, lambda dp, pp, tp: 100.0 * pp + dp, 10.0)),
     ]

@@ -136,10 +136,13 @@ _STABILISERS = ("max", "amax", "maximum", "fmax", "logsumexp", "logaddexp", "log
 
 
 def _cases(g):
-    """(m, n, d, block, spread, offset): sizes that do and do not divide into blocks, and scores moved by
-    `offset` (a constant a row's softmax ignores) far enough that exp() of a raw score overflows (+100)
-    or underflows to 0 (-110) in float32: only the running max (or log-sum-exp) keeps them finite."""
-    return ((8, 64, 16, 16, 1.0, 0.0), (5, 50, 8, 16, 3.0, 0.0), (6, 40, 8, 16, 1.0, 100.0), (7, 33, 8, 8, 1.0, -110.0))
+    """(m, n, d, block, spread, offset, falling): sizes that do and do not divide into blocks; scores moved
+    by `offset` (a constant a row's softmax ignores) far enough that exp() of a raw score overflows (+100)
+    or underflows to 0 (-110) in float32: only the running max (or log-sum-exp) keeps them finite; and
+    a first block scoring 100 above the others, where a running max taken as the block's own max falls and
+    exp(old_max - new_max) overflows (elsewhere the keys rise, so that every block rescales)."""
+    return ((8, 64, 16, 16, 1.0, 0.0, False), (5, 50, 8, 16, 3.0, 0.0, False), (6, 40, 8, 16, 1.0, 100.0, False),
+            (7, 33, 8, 8, 1.0, -110.0, False), (6, 48, 8, 16, 1.0, 0.0, True))
 
 
 def exercise_1(flash_attention_forward):
@@ -148,7 +151,7 @@ def exercise_1(flash_attention_forward):
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(15)
-    for m, n, d, block, spread, offset in _cases(g):
+    for m, n, d, block, spread, offset, falling in _cases(g):
         q = torch.randn(m, d, generator=g) * spread
         k = torch.randn(n, d, generator=g) * spread
         if offset:  # the last dimension adds offset to every score: q's is offset * sqrt(d), k's is 1
@@ -157,6 +160,9 @@ def exercise_1(flash_attention_forward):
         # Keys sorted so that later blocks raise the max: the rescaling is exercised on every row.
         order = (q.mean(0, keepdim=True) @ k.T).squeeze(0).argsort()
         k, v = k[order].contiguous(), v[order].contiguous()
+        if falling:  # the first block's scores 50 above the row's others, the rest 50 below: the max falls by 100
+            q[:, -1], k[:, -1] = 50.0 * math.sqrt(d), -1.0
+            k[:block, -1] = 1.0
         keys = k.clone()
         with _Watch(m, n, keys) as watch:
             got = flash_attention_forward(q.clone(), keys, v.clone(), block)
@@ -176,6 +182,11 @@ def exercise_1(flash_attention_forward):
                                      f"max), p = exp(s - new_max), and rescales what it holds by "
                                      f"exp(old_max - new_max)")
             if watch.overflow is not None and watch.overflow[-1] == 1:
+                if falling and "maximum" not in watch.called and "fmax" not in watch.called:
+                    raise AssertionError("a NaN or an infinity in your output where a later block's scores are far "
+                                         "below an earlier one's: your running max fell to the block's own max, and "
+                                         "exp(old_max - new_max) overflowed; the running max only grows, new_max = "
+                                         "torch.maximum(row_max, block max)")
                 raise AssertionError("a NaN or an infinity in your output: your correction exp() overflowed to "
                                      "inf; it is exp(old_max - new_max), at most 1 (0 on the first block, where "
                                      "old_max is -inf), not exp(new_max - old_max)")

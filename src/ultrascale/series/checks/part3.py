@@ -96,8 +96,15 @@ def exercise_1(accumulate_gradients):
     import torch
     import torch.nn as nn
 
-    loss_fn = nn.MSELoss()
-    for samples, micro in ((8, 4), (8, 3), (7, 2), (5, 1)):
+    # The loss is the caller's: MSE, and L1 in one case, so an answer that writes its own loss shows.
+    for samples, micro, given in ((8, 4, nn.MSELoss()), (8, 3, nn.MSELoss()), (7, 2, nn.L1Loss()),
+                                  (5, 1, nn.MSELoss())):
+        calls = []
+
+        def loss_fn(out, target, fn=given, calls=calls):
+            calls.append(1)
+            return fn(out, target)
+
         torch.manual_seed(100 * samples + micro)
         x, y = torch.randn(samples, 6), torch.randn(samples, 3)
         sizes = [len(c) for c in x.tensor_split(micro)]
@@ -107,9 +114,13 @@ def exercise_1(accumulate_gradients):
 
         model = _mlp()
         events = _watch_passes(model)
+        calls.clear()
         accumulate_gradients(model, loss_fn, x, y, micro)
         got = _grads(model)
         where = f"{samples} samples in {micro} micro-batches of sizes {sizes}"
+        if not calls:
+            raise AssertionError(f"with {where} your code never called loss_fn: the loss is the caller's (here "
+                                 f"{type(given).__name__}); compute each micro-batch's loss as loss_fn(model(xb), yb)")
         missing = [n for (n, _), g in zip(model.named_parameters(), got) if g is None]
         assert not missing, (f"with {where} the parameters {missing} have no gradient: call backward() on every "
                              f"micro-batch's loss")
@@ -199,6 +210,14 @@ def _run_ring(fn, numel, seed):
                 f"the ring did not finish within {RING_TIMEOUT:.0f} s on {WORLD} ranks: every send needs the "
                 f"matching recv on the neighbour - each step, send to the right and receive from the left "
                 f"(isend, then recv, then wait)") from None
+        if "index out of range" in first:
+            import torch
+
+            pieces = [len(c) for c in torch.arange(numel).chunk(WORLD)]
+            raise AssertionError(
+                f"with a tensor of {numel} elements on {WORLD} ranks your ring failed: {first}. t.chunk(N) can give "
+                f"fewer than N pieces ({numel} elements: {pieces}); t.tensor_split(N) always gives N, their sizes "
+                f"differing by one at most") from None
         if "invalid for input of size" in first:
             raise AssertionError(
                 f"with a tensor of {numel} elements on {WORLD} ranks your ring failed: {first}. A view of N equal "
@@ -414,8 +433,10 @@ def exercise_2(ring_all_reduce):
     sent = [watch.sent(mine) for mine in calls]
     assert sent == [ring] * n, (f"the ranks sent {sent} bytes; a ring all-reduce of a {nbytes:,}-byte tensor sends "
                                 f"2(N-1)/N x {nbytes:,} = {ring:,} from each rank")
-    # A size that does not divide by N: the chunks of tensor_split differ (257 elements: 65, 64, 64, 64).
+    # A size that does not divide by N: the chunks of tensor_split differ (257 elements: 65, 64, 64, 64);
+    # and a short one, where t.chunk(N) makes fewer than N pieces (6 elements: 2, 2, 2).
     _judge(*_run_ring(ring_all_reduce, 257, seed=2), 257)
+    _judge(*_run_ring(ring_all_reduce, 6, seed=3), 6)
     print(f"Your ring: each of the {n} ranks sent {sent[0]:,} bytes to all-reduce a {nbytes:,}-byte tensor, "
           f"one chunk to its neighbour in each of the 2(N-1) = {2 * (n - 1)} steps; 2(N-1)/N x {nbytes:,} = "
           f"{ring:,} bytes. Same result as dist.all_reduce on every rank.")
