@@ -72,6 +72,20 @@ def bucketed_all_reduce(params, cap_numel):
 
 
 WRONG = [  # (exercise, label, what the check must say, answer source)
+    (1, 'hooks never removed', 'stay registered after the step', '''
+def overlapped_data_parallel(model, x, y, loss_fn):
+    world = dist.get_world_size()
+    pending = []
+
+    def on_grad_ready(p):
+        p.grad.div_(world)
+        pending.append(dist.all_reduce(p.grad, async_op=True))
+
+    handles = [p.register_post_accumulate_grad_hook(on_grad_ready) for p in model.parameters()]
+    loss_fn(model(x), y).backward()
+    for w in pending:
+        w.wait()
+'''),
     (1, "sums instead of averaging", "summed, not averaged", _hooked('''
     def on_grad_ready(p):
         pending.append(dist.all_reduce(p.grad, async_op=True))
@@ -383,6 +397,21 @@ def overlapped_data_parallel(model, x, y, loss_fn):
 ]
 
 RIGHT = [  # (exercise, label, answer source): unusual but right
+    (1, 'waited through futures (torch.futures.wait_all)', '''
+def overlapped_data_parallel(model, x, y, loss_fn):
+    world = dist.get_world_size()
+    pending = []
+
+    def on_grad_ready(p):
+        p.grad.div_(world)
+        pending.append(dist.all_reduce(p.grad, async_op=True).get_future())
+
+    handles = [p.register_post_accumulate_grad_hook(on_grad_ready) for p in model.parameters()]
+    loss_fn(model(x), y).backward()
+    torch.futures.wait_all(pending)
+    for h in handles:
+        h.remove()
+'''),
     (1, "one all-reduce in flight: each hook waits for the previous one", '''
 def overlapped_data_parallel(model, x, y, loss_fn):
     world = dist.get_world_size()

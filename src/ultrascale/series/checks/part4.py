@@ -88,6 +88,11 @@ class _Work:
         self._note.setdefault("ready_at_wait", _READY[0])
         return self._work.wait(*args, **kwargs)
 
+    def get_future(self):
+        """The Work's future: a learner may wait through it (fut.wait(), torch.futures.wait_all)."""
+        self._note["future"] = future = self._work.get_future()
+        return future
+
     def __getattr__(self, name):
         return getattr(self._work, name)
 
@@ -129,7 +134,10 @@ def _settled(notes: list) -> list:
     """Wait for the all-reduces the learner left in flight (so the gradients read next are final and
     nothing crosses into the next check), and keep what pickles."""
     for note in notes:
-        work = note.pop("work", None)
+        work, future = note.pop("work", None), note.pop("future", None)
+        if future is not None and not note["waited"] and future.done():
+            # Waited through its future (torch.futures.wait_all takes no Python hook): done by the return.
+            note["waited"] = True
         if work is not None and not note["waited"]:
             work.wait()
     return notes
@@ -268,8 +276,11 @@ def _ex1_on_rank(fn, seed: int, samples: int):
     notes, marks, ddp = [], [], []
     with _noting(notes), _backward_marks(marks), _ddp_noted(ddp):
         fn(model, xb, yb, nn.MSELoss())
+    # Hooks still registered after the step (beyond the counter above): the next backward would average
+    # and all-reduce every gradient again.
+    left = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) - 1 for p in model.parameters())
     return {"grads": _grads(model), "local": _grads(local), "notes": _settled(notes), "backward": marks,
-            "ddp": bool(ddp)}
+            "ddp": bool(ddp), "hooks_left": left}
 
 
 def _flat(grads: dict):
@@ -455,6 +466,12 @@ def exercise_1(fn, seeds=(1, 2)):
         _same_on_every_rank(grads, locals_, _flat(want))
         _the_average(results, want, mine, grads, locals_, avg)
         _overlapped(results, calls, list(sizes))
+        left = results[0]["hooks_left"]
+        if left > 0 and not results[0]["ddp"]:
+            raise AssertionError(f"the gradients are right, but {left} of your hooks stay registered after the step: "
+                                 f"the next backward would average and all-reduce every gradient again; keep each "
+                                 f"handle register_post_accumulate_grad_hook returns and call handle.remove() at "
+                                 f"the end")
 
 
 # ---- Exercise 2: buckets -------------------------------------------------------------------------
