@@ -44,6 +44,18 @@ _MATMUL = "flops, moved = 2 * m * k * n, (m * k + k * n + m * n) * nbytes"
 _ADD = "flops, moved = numel, 3 * numel * nbytes"
 
 WRONG = [  # (exercise, label, what the check must say, answer source)
+    (2, 'compute only above the ridge (strict >)', 'at the ridge point itself', '''
+def roofline(kind, shape, dtype, peak_flops, bandwidth):
+    nbytes = torch.finfo(dtype).bits // 8
+    if kind == "matmul":
+        m, k, n = shape
+        flops, moved = 2 * m * k * n, (m * k + k * n + m * n) * nbytes
+    else:
+        (numel,) = shape
+        flops, moved = numel, 3 * numel * nbytes
+    intensity = flops / moved
+    return intensity, "compute" if intensity > peak_flops / bandwidth else "memory"
+'''),
     (1, "the running max as the block's own max", "your running max fell to the block's own max", '''
 def flash_attention_forward(q, k, v, block):
     scale = q.shape[-1] ** -0.5

@@ -294,6 +294,9 @@ def exercise_2(roofline):
         ("matmul", (4096, 4096, 4096), torch.bfloat16, H100),
         ("matmul", (16, 4096, 4096), torch.bfloat16, H100),     # a decode-like skinny matmul
         ("elementwise", (1 << 20,), torch.bfloat16, CPU_CORE),
+        # Exactly at the ridge: an fp32 add does 1 FLOP per 12 bytes, on a device of 1 TFLOP/s and 12 TB/s
+        # (1e12 / 12e12 and 2^20 / (12 x 2^20) round to the same double): compute-bound, "at or above".
+        ("elementwise", (1 << 20,), torch.float32, (1e12, 12e12)),
     ]
     bounds = []
     for kind, shape, dtype, (peak, bw) in cases:
@@ -326,6 +329,10 @@ def _judge_bounds(bounds):
     if rule(lambda ai, ridge: ai < ridge):
         raise AssertionError("your bounds are the wrong way round in every case: below the ridge, memory is the "
                              "limit (the compute units wait for data); at or above it, compute is")
+    if rule(lambda ai, ridge: ai > ridge):
+        raise AssertionError("at the ridge point itself you said memory: an intensity equal to peak / bandwidth "
+                             "takes as long to move its bytes as to do its FLOPs, and the rule counts it as "
+                             "compute-bound (intensity >= ridge)")
     if rule(lambda ai, ridge: ai >= 1 / ridge):
         raise AssertionError("your ridge point is bandwidth / peak; it is peak_flops / bandwidth, in FLOP per byte: "
                              "the intensity at which moving the bytes takes as long as doing the FLOPs")
