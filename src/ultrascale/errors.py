@@ -5,6 +5,8 @@ They live below everything else (config, model, parallel, train all raise them) 
 module has to import a higher layer to say what is wrong.
 """
 
+import errno
+
 
 class ConfigError(ValueError):
     """A configuration a run cannot start with; the message says what to change."""
@@ -33,23 +35,26 @@ def positive_number(text: str) -> float:
 
 # A write the filesystem refused for want of room: the disk or the quota is full, or the file passed
 # the size a process may write (ulimit -f). Said as ConfigError: the fix is the user's, not the code's.
-_NO_ROOM = {28: "ENOSPC", 122: "EDQUOT", 27: "EFBIG"}
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _carried(e: BaseException) -> int | None:
+    """The errno of a refused write, raised as an OSError or carried in another library's exception
+    (safetensors says "os error 28")."""
+    if isinstance(e, OSError):
+        return e.errno
+    return next((n for n in _NO_ROOM if f"os error {n})" in str(e)), None)
 
 
 def no_room(e: BaseException) -> bool:
-    """Whether `e` is a write refused for want of room: an OSError of those errnos, or the same error
-    carried in another library's exception (safetensors says "os error 28")."""
-    import errno
-
-    if isinstance(e, OSError):
-        return e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    return any(f"os error {n})" in str(e) for n in _NO_ROOM)
+    """Whether `e` is a write refused for want of room."""
+    return _carried(e) in _NO_ROOM
 
 
 def no_room_error(path: str, e: BaseException, kept: str = "") -> ConfigError:
     """One line for a write refused for want of room: where, why, what is left, and the fix."""
     import os
 
-    why = getattr(e, "strerror", None) or next((os.strerror(n) for n in _NO_ROOM if f"os error {n})" in str(e)), str(e))
+    why = getattr(e, "strerror", None) or os.strerror(_carried(e))
     return ConfigError(f"{path}: no room to write ({why}){'; ' + kept if kept else ''}: free space on its "
                        f"filesystem (or raise the quota, ulimit -f) or write elsewhere")

@@ -258,12 +258,11 @@ def cmd_search(args) -> int:
                           f"heads and the MLP width {shape.ffn_hidden}: pick a tp that divides "
                           f"{math.gcd(shape.heads, shape.kv_heads, shape.ffn_hidden)}")
     check_framework(fw, fixed.get("ep") or 1, fixed.get("zero"))  # the rule, not "nothing reaches the batch"
-    from ultrascale.preflight import check_writable_file
+    if args.html:
+        from ultrascale.preflight import check_writable_file
 
-    for flag in ("html", "emit_config"):
-        if getattr(args, flag):
-            check_writable_file("--" + flag.replace("_", "-"), getattr(args, flag))  # before the search, not after it
-    check_emit(args, shape, model, gpu)
+        check_writable_file("--html", args.html)  # before the search, not after it
+    check_emit(args, shape, model, gpu)  # --emit-config's path, model and nodes, likewise
     result = search(shape, args.gpus, gpu, fw, args.seq_len, args.global_batch_tokens, args.precision, fixed)
     sequences = batch_sequences(args.global_batch_tokens, args.seq_len)
     if args.emit_config:

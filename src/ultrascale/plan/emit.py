@@ -26,10 +26,11 @@ from ultrascale.plan.launch import launch_lines, nodes_of, write_sbatch
 _MODEL_FIELDS = {"vocab": "vocab_size", "hidden": "hidden", "layers": "layers", "heads": "heads",
                  "kv_heads": "kv_heads", "ffn_hidden": "ffn_hidden", "tie_embeddings": "tie_embeddings",
                  "norm": "norm", "mlp": "mlp", "bias": "bias"}
-# The same for a Mixture of Experts, read from the engine's config as written (shared_ffn: the width
-# `shared_expert = true` stands for) and written as its field.
-_MOE_FIELDS = {"experts": ("experts", "experts"), "top_k": ("top_k", "top_k"),
-               "expert_ffn_hidden": ("expert_ffn", "moe_ffn_hidden"), "shared_expert_ffn": ("shared_ffn", "shared_expert")}
+# The same for a Mixture of Experts: (ModelShape field, the ModelConfig field written; the width each side
+# means, read as a property where 0 or `shared_expert = true` stands for another).
+_MOE_FIELDS = [("experts", "experts", "experts", "experts"), ("top_k", "top_k", "top_k", "top_k"),
+               ("expert_ffn_hidden", "moe_ffn_hidden", "expert_ffn", "expert_ffn"),
+               ("shared_expert_ffn", "shared_expert", "shared_expert_ffn", "shared_ffn")]
 # What each planner-only field is, said when a shape needs it and the engine cannot build it.
 _PLANNER_ONLY = {"dropout": "dropout", "dense_layers": "leading dense blocks", "kv_channels": "heads wider than "
                  "hidden / heads", "qk_norm": "query/key norms", "q_lora_rank": "multi-head latent attention",
@@ -43,7 +44,7 @@ def unbuilt_fields(shape) -> list[str]:
     ModelShape field the engine has no field for, away from the value that means the plain block."""
     from ultrascale.plan.shape import ModelShape
 
-    built = set(_MODEL_FIELDS) | set(_MOE_FIELDS) | {"name"}
+    built = set(_MODEL_FIELDS) | {ours for ours, *_ in _MOE_FIELDS} | {"name"}
     out = []
     for f in fields(ModelShape):
         if f.name in built:
@@ -93,8 +94,8 @@ def model_section(shape, model_of=None) -> dict:
         if getattr(shape, ours) != getattr(preset, theirs):
             model[theirs] = getattr(shape, ours)
     if shape.is_moe or preset.is_moe:  # a dense shape's top_k means nothing; the preset's stays
-        for ours, (read, theirs) in _MOE_FIELDS.items():
-            if getattr(shape, ours if ours != "expert_ffn_hidden" else "expert_ffn") != getattr(preset, read):
+        for ours, theirs, shape_width, preset_width in _MOE_FIELDS:
+            if getattr(shape, shape_width) != getattr(preset, preset_width):
                 model[theirs] = getattr(shape, ours)
     return model
 
