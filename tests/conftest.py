@@ -62,6 +62,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
+def pytest_collection_finish(session):
+    # pytest-xdist groups by a suffix it writes into each test's id on the worker; where a pytest reads
+    # the id from elsewhere, nothing is grouped and every unit's fixtures are built on both workers, twice
+    # the time without a word. Said here, before a test runs.
+    grouped = any("@" in item.nodeid for item in session.items)
+    if getattr(session.config.option, "loadgroup", False) and session.items and not grouped:
+        raise pytest.UsageError(f"pytest-xdist's --dist loadgroup groups nothing under pytest {pytest.__version__}: "
+                                f"install the versions of constraints.txt (make setup)")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _close_pools():
     yield

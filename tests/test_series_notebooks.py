@@ -15,7 +15,7 @@ import pytest
 
 from ultrascale.series.build import GPU_TAG, build_notebook, notebook_text
 from ultrascale.series.episode import Episode
-from ultrascale.series.execute import run_notebook
+from ultrascale.series.execute import run_in_process, run_notebook
 from ultrascale.series.lint import lint_file
 from ultrascale.series.outline import read_episode
 from ultrascale.series.outputs import outputs_problem, without_outputs
@@ -49,7 +49,11 @@ def cases(path) -> dict:
 
 class _Runs(dict):
     """Each notebook run once, on first use: path -> (notebook, report). Lazy, so `-k 1_scaling` runs
-    one notebook only."""
+    one notebook only. Run in an IPython shell of this process (execute.run_in_process), so a notebook's
+    ranks are this test process's pool, started once for all the notebooks and tests it runs. The kernel
+    path is the commands' and is run below on whole notebooks too: `notebook grade` of a solved Part 1,
+    `notebook run`, the GPU guard under plain nbclient, the endless cell; the committed outputs are a
+    kernel's (notebooks/src/build.py), and the test after next compares them with this run's."""
 
     def __init__(self, tmp):
         super().__init__()
@@ -57,13 +61,19 @@ class _Runs(dict):
 
     def __missing__(self, path):
         nb = nbformat.read(path, as_version=4)
-        self[path] = (nb, run_notebook(without_outputs(nb), timeout=300, cwd=str(self.tmp.mktemp("run"))))
+        self[path] = (nb, run_in_process(without_outputs(nb), timeout=300, cwd=str(self.tmp.mktemp("run"))))
         return self[path]
 
 
-@pytest.fixture(scope="module")
+_RUNS: list = []  # one _Runs per worker process: a module fixture is built again whenever pytest-xdist
+#                   hands this worker another unit first, and each build would run the notebooks again
+
+
+@pytest.fixture
 def runs(tmp_path_factory):
-    return _Runs(tmp_path_factory)
+    if not _RUNS:
+        _RUNS.append(_Runs(tmp_path_factory))
+    return _RUNS[0]
 
 
 def _measures(path) -> bool:
@@ -153,6 +163,18 @@ def test_runs_top_to_bottom_on_cpu_and_the_exercises_are_sound(runs, path):
 def test_the_notebook_prints_what_its_runs_measured(runs, path):
     _, report = runs[path]
     printed = "".join(report.outputs.values())
+    for line in cases(path)["PRINTED"]:
+        assert printed_in(line, printed), line.explain(printed) if isinstance(line, Close) else line
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_FILES, ids=_stem)
+def test_the_committed_outputs_a_kernel_printed_hold_the_same_lines(path):
+    # The suite runs the notebooks in a shell of its own process; what a learner sees was printed by a
+    # Jupyter kernel (notebooks/src/build.py), on another machine perhaps. Both print every line of the
+    # case, within the tolerance of its figures: the shell is the kernel's cell semantics, not another program.
+    from ultrascale.series.execute import _text
+
+    printed = "".join(_text(c) for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
     for line in cases(path)["PRINTED"]:
         assert printed_in(line, printed), line.explain(printed) if isinstance(line, Close) else line
 
@@ -279,20 +301,45 @@ def test_run_command_reports_the_failing_cell(tmp_path, cli):
     assert f"{path}: FAILED," in out
 
 
-def test_an_endless_cell_times_out_and_grading_goes_on_past_it():
+@pytest.mark.parametrize("runner", [run_notebook, run_in_process], ids=["kernel", "this process"])
+def test_an_endless_cell_times_out_and_grading_goes_on_past_it(runner):
     # The kernel's manager is asynchronous: a cell's limit is a timer on the loop that waits for the kernel's
     # reply (a synchronous manager blocked that loop: an endless cell hung `run` and `grade` whatever
-    # --timeout said). Graded, the kernel is interrupted at the limit and the next cell runs.
+    # --timeout said). Graded, the kernel is interrupted at the limit and the next cell runs. In this
+    # process the limit is an alarm, with the same report.
     from ultrascale.series.execute import _grade
 
     cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("while True:\n    pass"),
              nbformat.v4.new_code_cell("print('after', x)")]
     nb = nbformat.v4.new_notebook(cells=cells)
-    report = run_notebook(nb, timeout=3)
-    assert report.failure is not None and report.failure.line() == "cell 1 failed: Timeout: the cell ran longer than 3 s"
+    report = runner(nb, timeout=3)
+    assert report.failure is not None
+    assert report.failure.line() == "cell 1 failed: Timeout: the cell ran longer than 3 s"
     assert report.executed == [0, 1], report.executed  # a run stops at the cell that failed
-    graded = run_notebook(nb, timeout=3, exercises=False, keep_going=True, grade=True)
+    graded = runner(nb, timeout=3, exercises=False, keep_going=True, grade=True)
     assert [e.line() for e in graded.errors] == ["cell 1 failed: Timeout: ran longer than 3 s (--timeout)"]
     assert "after 1" in graded.outputs[2], graded.outputs  # the kernel was interrupted, not lost
     g = _grade(1, "Accumulate", "Timeout: ran longer than 3 s (--timeout)")
     assert (g.status, g.message.split(":")[0]) == ("error", "the check ran longer than 3 s (--timeout)"), g
+
+
+def test_a_notebook_in_this_process_starts_empty_and_leaves_the_process_as_it_was(tmp_path):
+    # Two notebooks in one shell are two kernels: nothing of the first is seen by the second, and what a
+    # notebook changes of the process (its directory, torch's generator and threads, the environment) is
+    # put back. A cell's error is reported as a kernel reports it, not printed into the outputs.
+    import torch
+
+    first = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os, torch\nsecret = 41\ntorch.manual_seed(0)\ntorch.set_num_threads(2)\nos.environ['US_T'] = '1'\n"
+        "def f():\n    return secret + 1\nprint(f(), os.getcwd())"), nbformat.v4.new_code_cell("f() / 0")])
+    here, threads, state = os.getcwd(), torch.get_num_threads(), torch.random.get_rng_state()
+    report = run_in_process(first, cwd=str(tmp_path))
+    assert report.outputs[0] == f"42 {tmp_path}\n"
+    assert report.failure.line() == "cell 1 failed: ZeroDivisionError: division by zero" and report.outputs[1] == ""
+    assert (os.getcwd(), torch.get_num_threads(), "US_T" in os.environ) == (here, threads, False)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    second = run_in_process(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(secret)")]))
+    assert second.failure.line() == "cell 0 failed: NameError: name 'secret' is not defined"
+    # The last expression is shown as a kernel's execute_result: its value, no "Out[n]:".
+    shown = run_in_process(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("6 * 7")]))
+    assert shown.outputs[0] == "42\n", shown.outputs

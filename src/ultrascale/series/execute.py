@@ -27,10 +27,13 @@ ultrascale this command was installed with.
 from __future__ import annotations
 
 import copy
+import io
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ultrascale.errors import ConfigError
 from ultrascale.series.build import GPU_TAG, check_function
@@ -152,15 +155,112 @@ def _grade(number: int, title: str, raised: str | None) -> Grade:
     return Grade(number, title, "error", f"your code raised {raised}")
 
 
+class CellTimeout(Exception):
+    """A cell ran past its limit while the run was not grading (a run stops there)."""
+
+
+class CellRunner(Protocol):
+    """Where a notebook's cells execute: a Jupyter kernel (`notebook run` / `grade`, the generator) or an
+    IPython shell in this process (the test suite, on its pooled ranks). Either keeps the cell's outputs."""
+
+    def execute(self, cell, index: int) -> tuple[str, str] | None:
+        """Run `cell`; (ename, evalue) if it raised, None if not. A cell past the limit: CellTimeout, or
+        ("Timeout", ...) when grading (the next cell still runs)."""
+
+
+def _play(work, report: RunReport, runner: CellRunner, timeout: float, gpu: bool | None, exercises: bool,
+          keep_going: bool, grade: bool) -> None:
+    """The cells in order, then each exercise's proof (starter fails its check, solution passes) or grade."""
+    import nbformat
+
+    o = outline(work)
+    n_cells = len(work.cells)
+
+    def run(source: str):
+        """Execute extra code after the notebook's cells; return the error text, or None."""
+        work.cells.append(nbformat.v4.new_code_cell(source))
+        raised = runner.execute(work.cells[-1], len(work.cells) - 1)
+        if raised is None:
+            return None
+        ename, evalue = raised
+        return f"{ename}: {evalue}" if str(evalue).strip() else ename
+
+    for i in range(n_cells):
+        cell = work.cells[i]
+        if cell.cell_type != "code" or not cell.source.strip():
+            continue
+        if GPU_TAG in cell.metadata.get("tags", []):
+            if gpu is None:
+                probe = "import importlib.util as _u; print(bool(_u.find_spec('torch')) and " \
+                        "__import__('torch').cuda.is_available()); del _u"
+                run(probe)
+                gpu = _text(work.cells[-1]).strip() == "True"
+            if not gpu:
+                report.skipped.append(i)
+                continue
+        try:
+            raised = runner.execute(cell, i)
+        except CellTimeout:
+            report.failure = CellError(i, "Timeout", f"the cell ran longer than {timeout:g} s")
+            break
+        finally:
+            report.executed.append(i)
+            report.outputs[i] = _text(cell)
+        if raised is not None:
+            report.errors.append(CellError(i, raised[0], _first_line(raised[1])))
+            report.failure = report.failure or report.errors[-1]
+            if not keep_going:
+                break
+    try:
+        if report.failure is None and exercises:
+            for e in o.exercises:
+                if e.starter is None or e.check is None or not e.solution:
+                    continue
+                fn = check_function(e.number)
+                run(e.starter_source if e.starter_source is not None else work.cells[e.starter].source)
+                on_starter = run(f"{fn}()")
+                sol = run(e.solution)
+                on_solution = f"the solution cell raised {sol}" if sol else run(f"{fn}()")
+                report.exercises.append(ExerciseResult(e.number, _first_line(on_starter) if on_starter else None,
+                                                       _first_line(on_solution) if on_solution else None,
+                                                       e.starter))
+        if grade:
+            for e in o.exercises:
+                if e.check is None:
+                    continue
+                raised = run(f"{check_function(e.number)}()")
+                report.grades.append(_grade(e.number, e.title, _first_line(raised) if raised else None))
+    except CellTimeout:
+        report.failure = CellError(n_cells - 1, "Timeout", f"an exercise check ran longer than {timeout:g} s")
+
+
+class _Kernel:
+    """Cells executed by nbclient in a kernel of this Python."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def execute(self, cell, index):
+        from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+        try:
+            self.client.execute_cell(cell, index)
+        except CellExecutionError as e:
+            return e.ename, e.evalue
+        except CellTimeoutError:
+            raise CellTimeout from None
+        return None
+
+
 def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | None = None,
                  exercises: bool = True, keep_going: bool = False, grade: bool = False) -> RunReport:
-    """Execute `nb` (not modified) and report; `gpu=None` asks the kernel whether CUDA is there."""
+    """Execute `nb` (not modified) in a fresh kernel and report; `gpu=None` asks the kernel whether CUDA is
+    there."""
     import nbformat
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+    from nbclient.exceptions import DeadKernelError
 
     work = nbformat.from_dict(copy.deepcopy(dict(nb)))
-    o = outline(work)
     n_cells = len(work.cells)
     report = RunReport()
     start = time.perf_counter()
@@ -181,70 +281,14 @@ def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | N
                                 coalesce_streams=True)
     except Exception as e:  # no ipykernel, broken jupyter setup
         raise ConfigError(f"cannot start a Python kernel ({e}); pip install 'ultrascale[series]'") from e
-
-    def run(source: str):
-        """Execute extra code after the notebook's cells; return the error text, or None."""
-        work.cells.append(nbformat.v4.new_code_cell(source))
-        try:
-            client.execute_cell(work.cells[-1], len(work.cells) - 1)
-        except CellExecutionError as e:
-            return f"{e.ename}: {e.evalue}" if str(e.evalue).strip() else e.ename
-        return None
-
     try:
         with client.setup_kernel(cleanup_kc=True, stderr=stderr, env=_kernel_env(settings.name)):
-            for i in range(n_cells):
-                cell = work.cells[i]
-                if cell.cell_type != "code" or not cell.source.strip():
-                    continue
-                if GPU_TAG in cell.metadata.get("tags", []):
-                    if gpu is None:
-                        probe = "import importlib.util as _u; print(bool(_u.find_spec('torch')) and " \
-                                "__import__('torch').cuda.is_available()); del _u"
-                        run(probe)
-                        gpu = _text(work.cells[-1]).strip() == "True"
-                    if not gpu:
-                        report.skipped.append(i)
-                        continue
-                try:
-                    client.execute_cell(cell, i)
-                except CellExecutionError as e:
-                    report.errors.append(CellError(i, e.ename, _first_line(e.evalue)))
-                    report.failure = report.failure or report.errors[-1]
-                    if keep_going:
-                        continue
-                    break
-                except CellTimeoutError:
-                    report.failure = CellError(i, "Timeout", f"the cell ran longer than {timeout:g} s")
-                    break
-                finally:
-                    report.executed.append(i)
-                    report.outputs[i] = _text(cell)
-            if report.failure is None and exercises:
-                for e in o.exercises:
-                    if e.starter is None or e.check is None or not e.solution:
-                        continue
-                    fn = check_function(e.number)
-                    run(e.starter_source if e.starter_source is not None else work.cells[e.starter].source)
-                    on_starter = run(f"{fn}()")
-                    sol = run(e.solution)
-                    on_solution = f"the solution cell raised {sol}" if sol else run(f"{fn}()")
-                    report.exercises.append(ExerciseResult(e.number, _first_line(on_starter) if on_starter else None,
-                                                           _first_line(on_solution) if on_solution else None,
-                                                           e.starter))
-            if grade:
-                for e in o.exercises:
-                    if e.check is None:
-                        continue
-                    raised = run(f"{check_function(e.number)}()")
-                    report.grades.append(_grade(e.number, e.title, _first_line(raised) if raised else None))
+            _play(work, report, _Kernel(client), timeout, gpu, exercises, keep_going, grade)
     except DeadKernelError as e:
         stderr.seek(0)
         tail = stderr.read().decode(errors="replace").strip().splitlines()[-1:] or [str(e)]
         cell = report.executed[-1] if report.executed else 0
         report.failure = CellError(cell, "DeadKernel", f"the kernel died: {tail[0]}")
-    except CellTimeoutError:
-        report.failure = CellError(n_cells - 1, "Timeout", f"an exercise check ran longer than {timeout:g} s")
     except RuntimeError as e:
         if "kernel" not in str(e).lower():
             raise
@@ -253,6 +297,141 @@ def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | N
     finally:
         stderr.close()
         settings.cleanup()
+    report.seconds = time.perf_counter() - start
+    report.notebook = nbformat.from_dict({**work, "cells": work.cells[:n_cells]})
+    return report
+
+
+class _CellOutputs(io.TextIOBase):
+    """One cell's outputs in the order a kernel would send them: consecutive writes to a stream are one
+    stream output (nbclient's coalesce_streams), a display is a display_data output."""
+
+    def __init__(self, cell, name: str):
+        self.cell, self.name = cell, name
+
+    def writable(self):
+        return True
+
+    def write(self, text: str) -> int:
+        outs = self.cell.outputs
+        if outs and outs[-1].get("output_type") == "stream" and outs[-1].get("name") == self.name:
+            outs[-1]["text"] += text
+        else:
+            outs.append({"output_type": "stream", "name": self.name, "text": text})
+        return len(text)
+
+
+class _Shell:
+    """Cells executed by an IPython shell in this process: the cell semantics of ipykernel's shell (magics,
+    the last expression displayed, each cell's source kept for `inspect.getsource`, which series/ranks.py
+    sends to the ranks) without a kernel to start, so the ranks a cell asks for are this process's pool
+    (testing/harness.py), shared by every notebook and test that runs here. A cell's limit is SIGALRM, which
+    only the main thread receives; elsewhere a cell runs to its end (on_ranks keeps its own deadline)."""
+
+    def __init__(self, timeout: float, grade: bool):
+        from IPython.core.displaypub import DisplayPublisher
+        from IPython.core.interactiveshell import InteractiveShell
+        from traitlets.config import Config
+
+        class ThisProcess(InteractiveShell):
+            def init_sys_modules(self):
+                pass  # the process's own __main__ stays: multiprocessing reads it to start the ranks
+
+            def fresh_namespace(self):
+                """An empty `__main__` module for the next notebook, as a fresh kernel's. The last one is
+                left to the collector, not cleared: torch.compile keeps entries in a cell's globals that
+                it deletes itself when its code objects go."""
+                import types
+
+                self.user_module, self.user_ns = self.prepare_user_module(types.ModuleType("__main__"), None)
+                self.ns_table.update(user_global=self.user_module.__dict__, user_local=self.user_ns)
+                self.init_user_ns()
+                self.execution_count = 1
+
+        if not InteractiveShell.initialized():
+            config = Config()
+            config.HistoryManager.enabled = False  # no sqlite file in the user's ~/.ipython
+            config.InteractiveShell.cache_size = 0  # no "Out[n]:" prompt: a kernel sends the value alone
+            config.InteractiveShell.colors = "nocolor"
+            ThisProcess.instance(config=config)
+        self.shell = InteractiveShell.instance()
+        self.shell.fresh_namespace()  # each notebook starts from an empty namespace, as in a fresh kernel
+        self.shell.showtraceback = lambda *a, **k: None  # an error is reported as (ename, evalue), not printed
+        self.shell.showsyntaxerror = lambda *a, **k: None
+        self.timeout, self.grade = timeout, grade
+        self._cell = None
+        shell_self = self
+
+        class Publisher(DisplayPublisher):
+            def publish(self, data, metadata=None, *args, **kwargs):
+                shell_self._cell.outputs.append({"output_type": "display_data", "data": data,
+                                                 "metadata": metadata or {}})
+
+        self.shell.display_pub = Publisher(shell=self.shell)
+
+    def execute(self, cell, index):
+        import signal
+        import sys
+        import threading
+
+        cell.outputs, self._cell = [], cell
+        alarm = threading.current_thread() is threading.main_thread() and self.timeout > 0
+
+        def expired(*_):
+            raise TimeoutError(f"ran longer than {self.timeout:g} s (--timeout)")
+
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _CellOutputs(cell, "stdout"), _CellOutputs(cell, "stderr")
+        if alarm:
+            # An alarm already set (a test's own limit, pytest-timeout's) is put back with what is left of it.
+            previous = signal.signal(signal.SIGALRM, expired)
+            before, _ = signal.setitimer(signal.ITIMER_REAL, self.timeout)
+            started = time.monotonic()
+        try:
+            result = self.shell.run_cell(cell.source, store_history=True)
+        finally:
+            if alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+                if before:
+                    signal.setitimer(signal.ITIMER_REAL, max(before - (time.monotonic() - started), 1e-3))
+            sys.stdout, sys.stderr = saved
+        error = result.error_before_exec or result.error_in_exec
+        if error is None:
+            return None
+        if isinstance(error, TimeoutError) and "(--timeout)" in str(error):
+            if not self.grade:
+                raise CellTimeout
+            return "Timeout", str(error)
+        return type(error).__name__, str(error)
+
+
+def run_in_process(nb, timeout: float = 300, cwd: str | None = None, gpu: bool | None = None,
+                   exercises: bool = True, keep_going: bool = False, grade: bool = False) -> RunReport:
+    """`run_notebook` in an IPython shell of this process instead of a kernel (_Shell): what the test suite
+    runs the course's notebooks with. The process's state a notebook may change (the working directory,
+    torch's random generators and threads, the environment, matplotlib's figures) is put back after it."""
+    import nbformat
+    import torch
+
+    work = nbformat.from_dict(copy.deepcopy(dict(nb)))
+    n_cells = len(work.cells)
+    report = RunReport()
+    start = time.perf_counter()
+    here, environ, threads = os.getcwd(), dict(os.environ), torch.get_num_threads()
+    os.environ["MPLBACKEND"] = "Agg"
+    try:
+        with torch.random.fork_rng(devices=[]):
+            if cwd:
+                os.chdir(cwd)
+            _play(work, report, _Shell(timeout, grade), timeout, gpu, exercises, keep_going, grade)
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
+        if "matplotlib.pyplot" in sys.modules:
+            sys.modules["matplotlib.pyplot"].close("all")
     report.seconds = time.perf_counter() - start
     report.notebook = nbformat.from_dict({**work, "cells": work.cells[:n_cells]})
     return report
