@@ -62,14 +62,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
-def pytest_collection_finish(session):
-    # pytest-xdist groups by a suffix it writes into each test's id on the worker; where a pytest reads
-    # the id from elsewhere, nothing is grouped and every unit's fixtures are built on both workers, twice
-    # the time without a word. Said here, before a test runs.
-    grouped = any("@" in item.nodeid for item in session.items)
-    if getattr(session.config.option, "loadgroup", False) and session.items and not grouped:
-        raise pytest.UsageError(f"pytest-xdist's --dist loadgroup groups nothing under pytest {pytest.__version__}: "
-                                f"install the versions of constraints.txt (make setup)")
+def pytest_configure(config):
+    # pytest-xdist's loadgroup writes each test's group into the id it sends (`_nodeid`); a pytest that reads
+    # the id from elsewhere groups nothing, and every unit's module fixtures are built on both workers, twice
+    # the time without a word. Asked of pytest itself, on the process that schedules, before anything runs.
+    if getattr(config.option, "dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
+        from types import SimpleNamespace
+
+        from _pytest.nodes import Node
+
+        if Node.nodeid.fget(SimpleNamespace(_nodeid="test@group", _id="test")) != "test@group":
+            raise pytest.UsageError(f"pytest-xdist's --dist loadgroup groups nothing under pytest {pytest.__version__}"
+                                    f": install the versions of constraints.txt (make setup)")
 
 
 @pytest.fixture(scope="session", autouse=True)
