@@ -148,6 +148,18 @@ def test_ranks_blocked_in_calls_that_answer_each_other_are_slow_not_deadlocked(t
     assert stalled(str(tmp_path), [0, 1], 2) is None
 
 
+def test_a_rank_still_inside_a_collective_its_peer_has_left_is_finishing_not_deadlocked(tmp_path):
+    # Rank 1 has left the 3rd all-reduce (its part done) and waits in a recv; rank 0 is still inside that
+    # all-reduce, which completes by itself. Each line says how many collectives its rank has entered per
+    # group: seen at once, the two are moving. Had rank 1 entered only 2, rank 0 would wait for ever.
+    _status(tmp_path, 0, 60, "all_reduce@0,1#3:64|0,1#3 all_reduce SUM over ranks [0, 1], 64 B")
+    _status(tmp_path, 1, 60, "recv<0:16|0,1#3 recv from rank 0, 16 B")
+    assert stalled(str(tmp_path), [0, 1], 2) is None
+    _status(tmp_path, 1, 60, "recv<0:16|0,1#2 recv from rank 0, 16 B")
+    assert stalled(str(tmp_path), [0, 1], 2) == ("rank 0 waits in all_reduce SUM over ranks [0, 1], 64 B; "
+                                                 "rank 1 waits in recv from rank 0, 16 B")
+
+
 SLOW = notebook('''
 import torch
 import torch.distributed as dist

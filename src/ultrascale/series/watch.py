@@ -135,8 +135,12 @@ def _announce(line: str | None, key: str = "-") -> None:
     if _STATUS is None:
         return
     part = f"{_STATUS}.part"
+    # With the key, how many collectives this rank has entered on each group: a rank still inside the n-th
+    # collective of a group that every other member has entered (one may have left it already, its part
+    # done, and be blocked further on) is finishing, not deadlocked.
+    entered = "/".join(f"{','.join(map(str, group))}#{n}" for group, n in _SEQ.items())
     with open(part, "w") as f:
-        f.write("" if line is None else f"{time.time()} {key} {line}")
+        f.write("" if line is None else f"{time.time()} {key}|{entered} {line}")
     os.replace(part, _STATUS)
 
 
@@ -311,19 +315,33 @@ def watching(status_file: str | None = None):
 
 # ---- in the process that runs the check -----------------------------------------------------------
 
-def _answered(blocked: dict) -> bool:
+def _answered(blocked: dict, entered: dict | None = None) -> bool:
     """Whether some of the blocked ranks wait in calls that complete each other: all the ranks of a group
-    in the same collective, or a send and the recv of its message. They move, however slowly."""
+    in the same collective (or past it: `entered`, rank -> group -> collectives entered on it), or a send
+    and the recv of its message. They move, however slowly."""
+    entered = entered or {}
     for rank, key in blocked.items():
         if key.startswith("send>"):
             peer, size = key[len("send>"):].split(":", 1)
             if peer.isdigit() and blocked.get(int(peer)) in (f"recv<{rank}:{size}", f"recv<*:{size}"):
                 return True
         elif "@" in key and "#" in key:
-            group = key.split("@", 1)[1].split("#", 1)[0].split(",")
-            if all(r.isdigit() and blocked.get(int(r)) == key for r in group):
+            members, n = key.split("@", 1)[1].split(":", 1)[0].split("#", 1)
+            group = members.split(",")
+            if all(r.isdigit() and (blocked.get(int(r)) == key or entered.get(int(r), {}).get(members, 0) >= int(n))
+                   for r in group):
                 return True
     return False
+
+
+def _entered(text: str) -> dict:
+    """A status line's "0,1#3/0#1": group -> collectives entered on it."""
+    out = {}
+    for part in filter(None, text.split("/")):
+        group, _, n = part.rpartition("#")
+        if n.isdigit():
+            out[group] = int(n)
+    return out
 
 
 def stalled(status_dir: str, pending: list[int], world: int, stall: float | None = None) -> str | None:
@@ -331,7 +349,7 @@ def stalled(status_dir: str, pending: list[int], world: int, stall: float | None
     for `stall` seconds (STALL if None) and none of those calls can complete another's (a deadlock:
     none of them can move another); None while any may still move."""
     stall = STALL if stall is None else stall
-    now, waiting, blocked = time.time(), [], {}
+    now, waiting, blocked, entered = time.time(), [], {}, {}
     for rank in pending:
         try:
             with open(os.path.join(status_dir, f"rank{rank}")) as f:
@@ -342,14 +360,16 @@ def stalled(status_dir: str, pending: list[int], world: int, stall: float | None
         if len(parts) < 3:
             return None  # computing: it may yet reach the call the others wait in
         since, key, what = parts
+        key, _, counts = key.partition("|")
         try:
             if now - float(since) < stall:
                 return None
         except ValueError:
             return None
         blocked[rank] = key
+        entered[rank] = _entered(counts)
         waiting.append(f"rank {rank} waits in {what}")
-    if not waiting or _answered(blocked):
+    if not waiting or _answered(blocked, entered):
         return None
     done = [r for r in range(world) if r not in pending]
     if done:
