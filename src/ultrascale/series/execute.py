@@ -371,7 +371,6 @@ class _Shell:
 
     def execute(self, cell, index):
         import signal
-        import sys
         import threading
 
         cell.outputs, self._cell = [], cell
