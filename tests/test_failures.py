@@ -125,6 +125,33 @@ def test_a_killed_rank_ends_the_run_and_is_named(run):
     assert r.left_running() == []
 
 
+def _a_survivor_exits_before_the_rank_that_died_is_reaped(argv):
+    # The kernel closes a dying process's sockets before its parent can reap it: the survivor that
+    # read "connection reset" may be seen ending first. Here that order is made certain.
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        os.write(2, b"ultrascale: rank 1 lost a peer at step 2 in `work.wait()` on group dp_cp: another rank has "
+                    b"died (RuntimeError: Read error [127.0.0.1]:4242: Connection reset by peer)\n")  # fd 2: the log
+        return 1
+    if rank == 0:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+    return 0
+
+
+def test_a_killed_rank_seen_after_the_peer_that_lost_it_is_still_named(capsys):
+    from ultrascale.distributed.launch import launch_local
+
+    started = time.monotonic()
+    code = launch_local(["train"], 3, 1, worker_main=_a_survivor_exits_before_the_rank_that_died_is_reaped,
+                        preload=("os",))
+    err = capsys.readouterr().err
+    assert code == 128 + 9, err
+    assert err.splitlines()[0].startswith("ultrascale: rank 0 was killed by signal 9 (SIGKILL)"), err
+    assert time.monotonic() - started < 30, "the other ranks were not stopped"
+
+
 def test_a_stalled_rank_ends_the_run_within_the_timeout(run):
     r = run(2, "--timeout", "10")
     r.wait_until_training()

@@ -54,6 +54,9 @@ from ultrascale.distributed import failures
 
 POLL_S = 0.05
 GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping the other workers
+# A dying process's sockets close before it can be reaped, so its peers may be seen failing
+# ("connection reset") first: how long a run ended by such consequences waits for the cause.
+CAUSE_WAIT_S = 2.0
 TAIL_LINES = 12  # of the failed rank's stderr, shown under its cause line
 ENV_LAUNCHED = "ULTRASCALE_LAUNCHED"  # set in the workers of launch_local
 ENV_STDERR_TTY = "ULTRASCALE_STDERR_TTY"  # the launcher's stderr is a terminal (progress bar)
@@ -336,6 +339,30 @@ class _Supervisor:
                 return "hung", frozen
             time.sleep(POLL_S)
 
+    def await_cause(self, failed: list[_Worker]) -> list[_Worker]:
+        """`failed` and any rank that ends within CAUSE_WAIT_S, while all of them only waited on another.
+
+        The kernel closes a dying rank's sockets before its parent can reap it: the peer that
+        reads "connection reset" may exit and be seen first. Waiting briefly for the cause names
+        it instead of calling every rank alive.
+        """
+        for w in failed:  # its last words reach its log through the reader: read them whole
+            if w.reader is not None:
+                w.reader.join(timeout=1.0)
+        deadline = time.monotonic() + CAUSE_WAIT_S
+        while (all(self.kind(w) in ("peer-lost", "timeout") for w in failed)
+               and time.monotonic() < deadline):
+            running = [w for w in self.workers if w.returncode is None]
+            if not running:
+                break
+            time.sleep(POLL_S)
+            for w in running:
+                if w.proc.poll() is not None:
+                    w.returncode = w.proc.returncode
+                    if w.returncode != 0:
+                        failed.append(w)
+        return failed
+
     # -- stopping -----------------------------------------------------------
     def stop_all(self, first=signal.SIGTERM) -> None:
         """Stop every running worker: `first`, then SIGKILL after the grace period."""
@@ -535,6 +562,8 @@ def launch_local(argv: list[str], nproc: int, threads_per_proc: int | None = Non
                 w = who[0]
                 (age, step), state = sup.heartbeat_age(w, now), failures.process_state(w.proc.pid)
             else:
+                who = sup.await_cause(who)
+                now = time.time()
                 stalled = sup.stalled(now)  # before stopping anyone: who had stopped beating
             sup.stop_all(signal.SIGTERM)
             if outcome == "hung":
