@@ -122,8 +122,8 @@ def test_the_standard_tools_read_one_file_of_full_tensors(tmp_path):
     for name, value in state.items():
         assert torch.equal(one[f"model.{name}"], value), name
         assert one[f"optim.exp_avg_sq.{name}"].shape == value.shape
-    config_, full = checkpoint.read_full_state(ck)
-    assert config_["parallel"]["zero"] == 3 and all(torch.equal(full[n], v) for n, v in state.items())
+    record, full = checkpoint.read_full_state(ck)
+    assert record.config.parallel.zero == 3 and all(torch.equal(full[n], v) for n, v in state.items())
 
 
 def test_a_partial_save_is_cleaned_and_the_last_good_one_kept(tmp_path):
@@ -132,9 +132,9 @@ def test_a_partial_save_is_cleaned_and_the_last_good_one_kept(tmp_path):
     before = sorted(os.listdir(ck))
     (tmp_path / "ck.tmp").mkdir()  # what a save killed half-way leaves
     (tmp_path / "ck.tmp" / "__0_0.distcp").write_bytes(b"\0" * 1000)
-    assert checkpoint.read_meta(str(ck))["step"] == SAVED_AT and sorted(os.listdir(ck)) == before
+    assert checkpoint.read_record(str(ck)).step == SAVED_AT and sorted(os.listdir(ck)) == before
     run(1, config(1, STEPS, save=str(ck), resume=str(ck)))
-    assert not (tmp_path / "ck.tmp").exists() and checkpoint.read_meta(str(ck))["step"] == STEPS
+    assert not (tmp_path / "ck.tmp").exists() and checkpoint.read_record(str(ck)).step == STEPS
 
 
 # -- what a resume checks, from the command line ------------------------------------------

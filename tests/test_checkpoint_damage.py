@@ -29,7 +29,7 @@ from ultrascale.testing.cli import jsonl_losses, ranks as worker_ranks, read_unt
 from ultrascale.testing.compare import FP32, worst
 from ultrascale.train import integrity
 from ultrascale.train.checkpoint import FAULT_ENV, read_full_state
-from ultrascale.train.resume import verified
+from ultrascale.train.record import verified
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and /proc: Linux")
 
@@ -193,7 +193,7 @@ def test_a_format_2_checkpoint_is_loaded_with_a_warning_and_saved_as_format_3(sa
     warning = [line for line in r.stderr.splitlines() if line.startswith("ultrascale: warning:")]
     assert len(warning) == 1 and f"{ck} is a checkpoint of format 2" in warning[0], r.stderr
     assert "loaded unverified" in warning[0] and "writes format 3" in warning[0]
-    assert verified(again)["step"] == 3
+    assert verified(again).step == 3
     rewrite_meta(ck, lambda meta: meta.update(format=1))
     with pytest.raises(ValueError, match="format 1, this version reads formats 2 and 3: use the version"):
         verified(ck)
@@ -274,7 +274,7 @@ def test_a_kill_during_a_save_keeps_the_last_complete_one_and_resume_continues(s
     rel = worst(abs(a - b) / b for a, b in zip(losses, straight))
     assert rel <= FP32.loss_rtol, (losses, straight)
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ck")) == ["ck"]
-    assert verified(ck)["step"] == 6
+    assert verified(ck).step == 6
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -285,6 +285,6 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     assert (f"--save {ck}: cannot write {ck}.tmp/__1_0.distcp: No space left on device; {ck} still holds "
             f"step 2: free space there (or pass another --save) and continue with --resume {ck}") in r.stderr
     assert sorted(os.listdir(tmp_path)) == ["ck"]
-    assert verified(ck)["step"] == 2
-    config, state = read_full_state(ck)
-    assert config["train"]["steps"] == 6 and len(state) > 0
+    assert verified(ck).step == 2
+    record, state = read_full_state(ck)
+    assert record.config.train.steps == 6 and len(state) > 0

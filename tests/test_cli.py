@@ -173,7 +173,7 @@ DIVERGING = ["--model", "tiny", "--seq-len", "16", "--no-progress", "--peak", "1
 def test_a_diverged_run_stops_in_one_line_before_the_update_and_keeps_the_last_save(tmp_path):
     # lr 1e30: step 1 moves every weight by ~1e30, so step 2's activations overflow fp32.
     from ultrascale.train.checkpoint import read_full_state
-    from ultrascale.train.resume import verified
+    from ultrascale.train.record import verified
 
     ck = str(tmp_path / "ck")
     r = ultrascale("train", *DIVERGING, "--steps", "6", "--nproc", "2", "--dp", "2", "--save", ck, "--save-every", "1",
@@ -186,7 +186,7 @@ def test_a_diverged_run_stops_in_one_line_before_the_update_and_keeps_the_last_s
                         rf"--warmup-steps \(now 0\); or go back to step 1 with --resume {re.escape(ck)} "
                         rf"--override-schedule and a lower --lr", line), line
     # The save of step 1 is whole and finite, and nothing after it was written.
-    assert verified(ck)["step"] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert verified(ck).step == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     _, state = read_full_state(ck)
     assert all(bool(t.isfinite().all()) for t in state.values() if t.is_floating_point())
 

@@ -660,6 +660,33 @@ def test_a_run_on_a_corpus_prepared_with_a_tokenizer_keeps_that_tokenizer(no_net
     assert "not the one the run trained with" in capsys.readouterr().err
 
 
+def test_a_resume_on_a_corpus_prepared_again_is_refused_and_data_info_says_why(tmp_path, capsys):
+    """The run record keeps each prepared corpus's index hash: the same directory prepared again from other
+    text gives other batches, so a resume is refused in one line, and `data info CK` says what changed."""
+    from ultrascale.cli import main
+
+    for i in range(20):
+        write(tmp_path / "src" / f"{i}.txt", " ".join(SENTENCES[(i + k) % 3] for k in range(6)))
+    corpus, ck = str(tmp_path / "corpus"), str(tmp_path / "ck")
+    assert main(["data", "prepare", str(tmp_path / "src"), corpus, "--val-fraction", "0.2"]) == 0
+    args = ["train", "--data", corpus, "--layers", "2", "--seq-len", "8", "--micro-batch", "4", "--no-progress"]
+    assert main([*args, "--steps", "1", "--save", ck]) == 0
+    capsys.readouterr()
+    assert main(["data", "info", ck]) == 0
+    said = capsys.readouterr().out
+    assert f"data: {corpus} (prepared; index sha256 " in said and ": unchanged)" in said, said
+    write(tmp_path / "src" / "0.txt", "other text entirely " * 40)
+    assert main(["data", "prepare", str(tmp_path / "src"), corpus, "--val-fraction", "0.2", "--overwrite"]) == 0
+    capsys.readouterr()
+    assert main(["data", "info", ck]) == 0
+    assert ": prepared again since: other batches)" in capsys.readouterr().out
+    assert main(["train", "--resume", ck, "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"ultrascale: error: --resume {ck} trained on {corpus}, whose index.json has changed since (it "
+                   f"was prepared again): the batches would differ; resume with the corpus as it was, or start a "
+                   f"new run"], err
+
+
 def test_a_text_source_skips_binary_files_and_says_so(tmp_path, capsys):
     from ultrascale.cli import main
 

@@ -232,7 +232,7 @@ def test_partial_checkpoints_are_cleaned_and_a_failed_save_keeps_the_last_good_o
     assert not (tmp_path / "ck.tmp").exists()  # a run that will save starts by removing it
 
     trainer.fit()
-    good = checkpoint.read_meta(str(ck))
+    good = checkpoint.read_record(str(ck))
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -243,13 +243,13 @@ def test_partial_checkpoints_are_cleaned_and_a_failed_save_keeps_the_last_good_o
                                           f"{ck} still holds step 2"):
         trainer.save(str(ck))
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no ck.tmp
-    assert checkpoint.read_meta(str(ck)) == good
+    assert checkpoint.read_record(str(ck)) == good
 
     # A save stopped between its two renames: DIR gone, DIR.old the last good one.
     os.replace(ck, tmp_path / "ck.old")
     (tmp_path / "ck.tmp").mkdir()
     checkpoint.clean_partial(str(ck))
-    assert sorted(os.listdir(tmp_path)) == ["ck"] and checkpoint.read_meta(str(ck)) == good
+    assert sorted(os.listdir(tmp_path)) == ["ck"] and checkpoint.read_record(str(ck)) == good
 
 
 def test_secondary_errors_are_told_apart_from_causes():

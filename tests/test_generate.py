@@ -12,7 +12,7 @@ import torch
 
 from ultrascale.cli import main
 from ultrascale.generate import generate, next_token
-from ultrascale.model import ModelConfig, build_model, get_preset
+from ultrascale.model import build_model, get_preset
 from ultrascale.model.transformer import KVCache
 from ultrascale.testing.cli import ultrascale
 from ultrascale.train.checkpoint import read_full_state
@@ -126,9 +126,8 @@ def trained(tmp_path_factory):
 
 
 def ours(ck):
-    run_config, state = read_full_state(ck)
-    cfg = ModelConfig.from_dict(run_config["model"])
-    return build_model(cfg, seed=0, source=state).eval()
+    record, state = read_full_state(ck)
+    return build_model(record.config.model, seed=0, source=state).eval()
 
 
 def test_greedy_text_is_transformers_greedy_text(trained):

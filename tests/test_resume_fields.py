@@ -2,8 +2,10 @@
 
 The fields are enumerated, not listed: a TrainConfig field added tomorrow is in none of
 train/resume.py's lists and fails the first test, and each saved value of every field that a
-resume keeps is checked to come back (a value the run record drops reverts to the default and fails
-the second). Then the two that a user lost, end to end: --eval-every and --keep-last.
+resume keeps is checked to come back through a run record written to disk and read again (a value
+the record drops reverts to the default and fails the second). Every field of the record itself, and
+of the model and the layout, comes back the same way; one a reader does not know is refused. Then
+the two that a user lost, end to end: --eval-every and --keep-last.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 
 import pytest
 
-from ultrascale.config import ParallelConfig, RunConfig, TrainConfig, build_config
-from ultrascale.train import resume
+from ultrascale.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig, build_config
+from ultrascale.errors import ConfigError
+from ultrascale.train import integrity, resume
+from ultrascale.train.record import RunRecord, read_record, write_record
 from ultrascale.testing.cli import ultrascale as forked_ultrascale
 
 TRAIN_FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
@@ -41,8 +46,20 @@ def _other(value):
     return f"{value}-saved"
 
 
+def _round_trip(record: RunRecord, tmp) -> RunRecord:
+    """`record` as a save writes it into a checkpoint directory, read back as every reader reads it."""
+    tmp = str(tmp)
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "__0_0.distcp"), "wb") as f:
+        f.write(b"tensors")
+    record = dataclasses.replace(record, files=integrity.describe(tmp, ["__0_0.distcp"]))
+    write_record(tmp, record)
+    return read_record(str(tmp))
+
+
 def _saved(**train):
-    return RunConfig(parallel=ParallelConfig(dp=2, tp=2), train=TrainConfig(**train)).to_dict()
+    config = RunConfig(parallel=ParallelConfig(dp=2, tp=2), train=TrainConfig(**train))
+    return _round_trip(RunRecord(step=1, config=config, optimizer_steps=1), tempfile.mkdtemp()).settings
 
 
 def _resumed(saved: dict, train_flags: dict, parallel_flags: dict | None = None) -> RunConfig:
@@ -81,6 +98,80 @@ def test_the_layout_comes_with_the_checkpoint_unless_one_is_given():
     assert (_resumed(saved, {}).parallel.tp, _resumed(saved, {}).train.nproc) == (2, 4)
     other = _resumed(saved, {"nproc": 2}, {"pp": 2})
     assert (other.parallel.tp, other.parallel.pp, other.train.grad_accum) == (1, 2, 1)
+
+
+# A value for every field of the record that differs from its default (the config: every field of every section).
+RECORD_VALUES = {"step": 9, "optimizer_steps": 7, "world_size": 4, "tokenizer": {"kind": "hf", "sha256": "ab"},
+                 "data": [{"path": "corpus", "index_sha256": "cd"}], "router_bias": {"layers.0.mlp.router_bias": [0.5]},
+                 "loss_scale": {"scale": 1024.0, "good_steps": 3}}
+
+
+def _every_field_changed() -> list[RunConfig]:
+    """Runs in which, together, every field of every section differs from its default: experts need
+    the default MLP (SwiGLU), so the other MLP is a second, dense run's."""
+    changed = {f.name: _other(getattr(ModelConfig(), f.name)) for f in dataclasses.fields(ModelConfig)}
+    moe = ModelConfig(**{**changed, "experts": 4, "top_k": 1, "mlp": "swiglu", "norm": "layernorm",
+                         "router_score": "sigmoid"})
+    dense = dataclasses.replace(moe, experts=0, mlp="gelu")
+    sections = {name: cls(**{f.name: _other(getattr(cls(), f.name)) for f in dataclasses.fields(cls)})
+                for name, cls in (("parallel", ParallelConfig), ("train", TrainConfig))}
+    return [RunConfig(model=model, **sections) for model in (moe, dense)]
+
+
+def test_every_field_of_the_run_record_comes_back_from_disk(tmp_path):
+    missing = set(f.name for f in dataclasses.fields(RunRecord)) - set(RECORD_VALUES) - {"config", "files", "format"}
+    assert not missing, f"RECORD_VALUES lacks a value for {missing}"
+    configs = _every_field_changed()
+    for cls, section in ((ModelConfig, "model"), (ParallelConfig, "parallel"), (TrainConfig, "train")):
+        same = [f.name for f in dataclasses.fields(cls)
+                if all(getattr(getattr(c, section), f.name) == getattr(cls(), f.name) for c in configs)]
+        assert not same, f"{cls.__name__}: {same} kept the default: the round trip would not see them dropped"
+    for i, config in enumerate(configs):
+        record = RunRecord(config=config, **RECORD_VALUES)
+        back = _round_trip(record, tmp_path / str(i))
+        assert back.config.to_dict() == config.to_dict()
+        for f in dataclasses.fields(RunRecord):
+            if f.name != "files":
+                assert getattr(back, f.name) == getattr(record, f.name), f"the run record dropped {f.name}"
+
+
+@pytest.mark.parametrize("where", ["", "config.", "config.model.", "config.parallel.", "config.train."])
+def test_a_field_the_reader_does_not_know_is_refused_not_skipped(tmp_path, where):
+    _round_trip(RunRecord(step=1, config=RunConfig(), optimizer_steps=1), tmp_path)
+    with open(tmp_path / "meta.json") as f:
+        d = json.load(f)
+    part = d
+    for key in where.split(".")[:-1]:
+        part = part[key]
+    part["mla_rank"] = 64  # a field of a later version
+    with open(tmp_path / "meta.json", "w") as f:
+        json.dump(d, f)
+    with pytest.raises(ConfigError) as e:
+        read_record(str(tmp_path))
+    assert str(e.value) == (f"--resume {tmp_path}: its run record holds {where}mla_rank = 64, which this version "
+                            f"does not know: read it with the version that wrote it")
+
+
+def test_every_reader_refuses_a_record_field_it_cannot_honour_in_one_line(tmp_path, capsys):
+    from ultrascale.cli import main
+
+    ck = str(tmp_path / "ck")
+    assert main(["train", "--model", "tiny", "--steps", "1", "--seq-len", "16", "--micro-batch", "2", "--no-progress",
+                 "--save", ck]) == 0
+    with open(os.path.join(ck, "meta.json")) as f:
+        d = json.load(f)
+    d["config"]["model"]["mla_rank"] = 64
+    with open(os.path.join(ck, "meta.json"), "w") as f:
+        json.dump(d, f)
+    capsys.readouterr()
+    for argv, what in ((["train", "--resume", ck, "--steps", "2"], "--resume"), (["generate", ck, "--prompt", "a"],
+                       "checkpoint"), (["export", "--hf", str(tmp_path / "hf"), ck], "checkpoint"),
+                       (["data", "info", ck], "checkpoint")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"ultrascale: error: {what} {ck}: its run record holds config.model.mla_rank = 64, which this "
+                       f"version does not know: read it with the version that wrote it"], (argv, err)
+    assert not (tmp_path / "hf").exists()
 
 
 def ultrascale(*args, cwd):

@@ -79,6 +79,12 @@ def test_loads_and_a_resume_without_save_are_said(tmp_path):
     warnings = [line for line in r.stdout.splitlines() if line.startswith("warning:")]
     assert warnings == [f"warning: resumed without --save: step 2 will not be saved (add --save DIR, e.g. --save {ck})"]
     assert "batch: 4 sequences x 32 tokens = 128 tokens per step (micro-batch 4 x grad-accum 1 x dp 1), step 2" in head
+    # where each setting came from: the flags of this invocation, then what the checkpoint gave
+    settings = [line for line in head if line.startswith("settings: ")]
+    assert settings == [f"settings: from the command line: the model (tiny, 2 layers, hidden 64) --seq-len 32 --steps 2 "
+                        f"--peak 1 --no-progress --micro-batch 4 --resume {ck}; from --resume {ck}: --dp 1 "
+                        f"--lr-decay-steps 1 and 48 more, as saved, at their defaults; 12 others at their defaults"], \
+        settings
     assert main(["export", "--hf", str(hf), str(ck)]) == 0
     r = ultrascale("train", *TINY[2:], "--steps", "1", "--peak", "1", "--init-from", f"hf:{hf}")
     assert r.returncode == 0, r.stderr

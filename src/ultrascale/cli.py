@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 
@@ -214,23 +215,29 @@ def parse_train_config(args):
         flags["train"]["progress"] = args.progress
     file_values = load_toml(args.config) if args.config else {}
     given = {s: {**file_values.get(s, {}), **flags[s]} for s in flags}
+    origin = {}  # "section.field" -> where it came from, the later source winning
+    for source, values in (("--config " + str(args.config), file_values), ("the command line", flags)):
+        origin.update({("model" if s == "model" and k == "preset" else f"{s}.{k}"): source
+                       for s in values for k in values[s]})
     resumed = None
     if given["train"].get("resume") and given["train"].get("init_from"):
         from ultrascale.config import check_start
 
         check_start(given["train"]["resume"], given["train"]["init_from"])
     if given["train"].get("resume"):
-        from ultrascale.train.resume import read_meta, resume_layer
-
-        from ultrascale.train.resume import latest
+        from ultrascale.train.record import read_record
+        from ultrascale.train.resume import latest, resume_layer
 
         if latest(given["train"]["resume"]) != given["train"]["resume"]:  # a directory of per-step saves
             given["train"]["resume"] = flags["train"]["resume"] = latest(given["train"]["resume"])
             file_values.get("train", {}).pop("resume", None)
-        meta = read_meta(given["train"]["resume"])
-        layer = resume_layer(meta["config"], given)
+        record = read_record(given["train"]["resume"])
+        layer = resume_layer(record.settings, given)
         file_values = {s: {**layer[s], **file_values.get(s, {})} for s in flags}
-        resumed = (meta, given)
+        taken = {("model" if s == "model" else f"{s}.{k}"): f"--resume {given['train']['resume']}"
+                 for s in layer for k in layer[s]}
+        origin = {**taken, **origin}
+        resumed = (record, given)
     model = None
     if given["train"].get("init_from"):
         from ultrascale.model.hf import checkpoint_tokenizer, model_from_checkpoint
@@ -239,7 +246,9 @@ def parse_train_config(args):
         own = checkpoint_tokenizer(given["train"]["init_from"])
         if own and "tokenizer" not in given["train"]:
             flags["train"]["tokenizer"] = own  # the vocabulary its embedding was trained on, not bytes
-    return build_config(file_values, flags, model), resumed
+            origin["train.tokenizer"] = f"--init-from {given['train']['init_from']}"
+        origin["model"] = f"--init-from {given['train']['init_from']}"
+    return dataclasses.replace(build_config(file_values, flags, model), origin=origin), resumed
 
 
 def _precheck(cfg) -> None:
@@ -297,10 +306,10 @@ def cmd_train(args) -> int:
     if resumed:
         from ultrascale.train.resume import fit_global_batch
 
-        meta, given = resumed
+        record, given = resumed
         # The accumulation that keeps the checkpoint's global batch, before the checks that depend on
         # it (a pipeline schedule's micro-batch count).
-        cfg = fit_global_batch(cfg, meta["config"], given, world)
+        cfg = fit_global_batch(cfg, record.settings, given, world)
     cfg = check_run(cfg, world)
     if not launched_locally():  # the launcher checked for its workers; under torchrun every rank reads
         from ultrascale.train.resume import check_save_target
@@ -309,7 +318,7 @@ def cmd_train(args) -> int:
     if resumed:
         from ultrascale.train.resume import check_resume
 
-        check_resume(cfg.train.resume, meta, cfg)
+        check_resume(cfg.train.resume, record, cfg)
         _verify_once(cfg.train.resume)
     if not is_worker():
         _precheck(cfg)
@@ -341,7 +350,7 @@ def _verify_once(path: str) -> None:
     loads it: here in the launcher (or the one process); under torchrun on rank 0, before it
     joins the others (they wait for it, and its exit ends the run before anything is loaded)."""
     from ultrascale.distributed.launch import launched_locally
-    from ultrascale.train.resume import verified
+    from ultrascale.train.record import verified
 
     if not launched_locally() and os.environ.get("RANK", "0") == "0":
         verified(path)

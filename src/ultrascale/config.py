@@ -195,6 +195,10 @@ class RunConfig:
     model: ModelConfig = field(default_factory=lambda: get_preset("tiny"))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # Where each setting came from, by "section.field" (the model's shape: "model"): "the command line",
+    # "--config FILE" or "--resume CK"; a setting not here is the default. Not part of the run
+    # (compare=False): the header says it (train/header.py).
+    origin: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def global_batch(self) -> int:

@@ -31,22 +31,21 @@ def add_parser(sub) -> None:
 
 def cmd_export(args) -> int:
     from ultrascale.errors import ConfigError
-    from ultrascale.model.config import ModelConfig
     from ultrascale.model.hf import check_out_dir, save_hf
     from ultrascale.train.checkpoint import read_full_state
     from ultrascale.parallel.precision import DTYPES
 
     check_out_dir(args.hf, args.force)
-    from ultrascale.train.resume import latest, read_meta
+    from ultrascale.train.record import read_record
+    from ultrascale.train.resume import latest
 
-    meta = read_meta(latest(args.checkpoint.rstrip("/") or "/"), what="checkpoint")  # meta.json: the shape
-    cfg = ModelConfig.from_dict(meta["config"]["model"])
+    cfg = read_record(latest(args.checkpoint.rstrip("/") or "/"), what="checkpoint").config.model  # the shape
     if cfg.is_moe:
         from ultrascale.model.hf import check_mixtral
 
         check_mixtral(cfg)  # before any tensor is read
-    run_config, state = read_full_state(args.checkpoint)
-    tokenizer = args.tokenizer if args.tokenizer is not None else run_config["train"].get("tokenizer", "bytes")
+    record, state = read_full_state(args.checkpoint)
+    tokenizer = args.tokenizer if args.tokenizer is not None else record.config.train.tokenizer
     tokenizer_dir = None if tokenizer in ("", "bytes") else tokenizer
     if tokenizer_dir and not os.path.isdir(tokenizer_dir):
         raise ConfigError(f"tokenizer directory {tokenizer_dir} (the run's --tokenizer) is gone: pass "
@@ -54,7 +53,7 @@ def cmd_export(args) -> int:
     if tokenizer_dir and args.tokenizer is None:
         from ultrascale.train.data import check_run_tokenizer
 
-        check_run_tokenizer(tokenizer_dir, meta.get("tokenizer"), f"checkpoint {args.checkpoint}")
+        check_run_tokenizer(tokenizer_dir, record.tokenizer, f"checkpoint {args.checkpoint}")
     try:
         save_hf(cfg, state, args.hf, tokenizer_dir=tokenizer_dir, dtype=DTYPES[args.dtype], force=args.force)
     except OSError as e:

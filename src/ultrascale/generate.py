@@ -153,7 +153,8 @@ class _Printer:
 
 def cmd_generate(args) -> int:
     from ultrascale.errors import ConfigError
-    from ultrascale.train.resume import latest, read_meta
+    from ultrascale.train.record import read_record
+    from ultrascale.train.resume import latest
 
     check_args(args)
     path = args.checkpoint.rstrip("/") or "/"
@@ -161,23 +162,22 @@ def cmd_generate(args) -> int:
         raise ConfigError(f"checkpoint {args.checkpoint}: no such checkpoint directory: give a directory written by "
                           f"`ultrascale train --save DIR`")
     args.checkpoint = latest(path)  # a directory of per-step saves (--keep-last): the latest
-    meta = read_meta(args.checkpoint, what="checkpoint")  # meta.json alone: the shape and the run's tokenizer
+    record = read_record(args.checkpoint, what="checkpoint")  # the shape and the run's tokenizer
     import torch
 
-    from ultrascale.model.config import ModelConfig
     from ultrascale.parallel.precision import DTYPES, check_dtype_support
     from ultrascale.train.checkpoint import trained_model
     from ultrascale.train.data import check_run_tokenizer, load_tokenizer
 
     device = pick_device(args.device)
-    cfg = ModelConfig.from_dict(meta["config"]["model"])
-    spec = args.tokenizer if args.tokenizer is not None else meta["config"]["train"].get("tokenizer", "bytes")
+    cfg = record.config.model
+    spec = args.tokenizer if args.tokenizer is not None else record.config.train.tokenizer
     if spec not in ("", "bytes") and not os.path.isdir(spec):
         if args.tokenizer is not None:
             raise ConfigError(f"--tokenizer {spec}: not a directory; give 'bytes' or a local tokenizer directory")
         raise ConfigError(f"tokenizer directory {spec} (the run's --tokenizer) is gone: pass --tokenizer DIR")
     if args.tokenizer is None:
-        check_run_tokenizer(spec, meta.get("tokenizer"), f"checkpoint {args.checkpoint}")
+        check_run_tokenizer(spec, record.tokenizer, f"checkpoint {args.checkpoint}")
     tokenizer = load_tokenizer(spec)
     prompt = tokenizer.encode(args.prompt)
     if len(prompt) == 0:

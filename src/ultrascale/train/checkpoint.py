@@ -1,8 +1,9 @@
 """Checkpoints in torch.distributed.checkpoint (DCP), resumable in any layout.
 
-A checkpoint directory (format 3, resume.FORMAT):
-    meta.json          step, the run's configuration, the layout it was written by, and
-                       "files": every other file below with its size and CRC-32
+A checkpoint directory (format 3, record.FORMAT):
+    meta.json          the run record (train/record.py): the step, the whole resolved run, the
+                       tokenizer and data it trained on, the router biases, and "files": every
+                       other file below with its size and CRC-32
     .metadata          DCP's index: every tensor's full shape and where each chunk lies
     __N_0.distcp       the chunks rank N wrote (empty for a rank that holds nothing to write)
 
@@ -33,7 +34,7 @@ each rank checksums its own files, and rank 0 adds meta.json and swaps it in
 leaves the previous checkpoint whole: as `DIR` with a partial `DIR.tmp` beside
 it (ignored by readers, removed by the next run that saves, or at once by the
 launcher when a rank died), or, between the two renames, as `DIR.old` with no
-`DIR`, which the next reader renames back (resume.put_back_old). A save that
+`DIR`, which the next reader renames back (record.put_back_old). A save that
 cannot write (a full disk) removes its `DIR.tmp` and ends the run in one line,
 the previous checkpoint intact. Every rank must see the same directory: on
 several machines, a filesystem shared by all of them (checked when the run
@@ -44,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import shutil
 import time
@@ -60,8 +60,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ultrascale.errors import ConfigError
 from ultrascale.train import integrity
-from ultrascale.train.data import tokenizer_identity
-from ultrascale.train.resume import FORMAT, put_back_old, read_meta, verified
+from ultrascale.train.data import data_identity, tokenizer_identity
+from ultrascale.train.record import RunRecord, put_back_old, read_record, verified, write_record
 
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
 
@@ -194,12 +194,12 @@ def save(path: str, trainer) -> None:
                      planner=_ChunkSavePlanner(chunks, shapes), no_dist=not ctx.is_distributed)
         files = _describe_files(tmp, ctx)  # rank 0 waits here for every rank's part
         if ctx.rank == 0:
-            meta = {"format": FORMAT, "step": trainer.step, "optimizer_steps": trainer.optimizer_steps,
-                    "world_size": ctx.world_size, "files": files,
-                    "config": trainer.cfg.to_dict(), "tokenizer": tokenizer_identity(trainer.cfg.train.tokenizer),
-                    **({"router_bias": biases} if biases else {}),
-                    **({"loss_scale": trainer.scaler.state_dict()} if trainer.scaler is not None else {})}
-            _write_meta(os.path.join(tmp, "meta.json"), meta)
+            t = trainer.cfg.train
+            write_record(tmp, RunRecord(
+                step=trainer.step, config=trainer.cfg, optimizer_steps=trainer.optimizer_steps,
+                world_size=ctx.world_size, tokenizer=tokenizer_identity(t.tokenizer), data=data_identity(t.data),
+                router_bias=biases, loss_scale=trainer.scaler.state_dict() if trainer.scaler is not None else None,
+                files=files))
             _swap_in(path, tmp, old, trainer.step)
     except BaseException as e:
         if ctx.rank == 0:
@@ -230,16 +230,9 @@ def _writer_rank(name: str, world: int) -> int:
     return int(head) if head.isdigit() and int(head) < world else 0
 
 
-def _write_meta(file: str, meta: dict) -> None:
-    with open(file, "w") as f:
-        json.dump(meta, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())  # as DCP does for its files: the rename below must not publish an empty file
-
-
 def _swap_in(path: str, tmp: str, old: str, step: int) -> None:
     """DIR.tmp becomes DIR. Between the two renames there is no DIR: a crash there leaves the
-    previous checkpoint as DIR.old, which every reader puts back (resume.put_back_old)."""
+    previous checkpoint as DIR.old, which every reader puts back (record.put_back_old)."""
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
@@ -269,9 +262,8 @@ def _raise_if_unwritable(e: BaseException, path: str) -> None:
 
 def _saved_step(path: str) -> int | None:
     try:
-        with open(os.path.join(path, "meta.json")) as f:
-            return json.load(f)["step"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return read_record(path, "--save").step
+    except (ConfigError, OSError):
         return None
 
 
@@ -319,11 +311,10 @@ def _writer(tmp: str, step: int, rank: int):
 def load(path: str, trainer) -> int:
     """Fill this rank's masters and Adam moments from `path`, whatever layout wrote it; the step.
 
-    Every listed file is checked for its size here, on each rank (read_meta); the checksums
-    were checked once before the run started (`ultrascale train`), or call `resume.verified`."""
-    meta = read_meta(path)
-    # Adam's count of updates; a checkpoint written before it was kept counted every step as one.
-    trainer.optimizer_steps = meta.get("optimizer_steps", meta["step"])
+    Every listed file is checked for its size here, on each rank (read_record); the checksums
+    were checked once before the run started (`ultrascale train`), or call `record.verified`."""
+    record = read_record(path)
+    trainer.optimizer_steps = record.optimizer_steps  # Adam's count of updates
     _ensure_adam_state(trainer.opt, trainer.optimizer_steps)
     chunks, _ = _optimizer_chunks(trainer, writing=False)
     _read_index(path, "--resume")  # a damaged index named as such (DCP reads it again, each rank)
@@ -331,52 +322,53 @@ def load(path: str, trainer) -> int:
         dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(chunks),
                  no_dist=not trainer.ctx.is_distributed)
     trainer.main.copy_to_model()  # masters -> compute parameters (and ZeRO's all-gather)
-    if trainer.scaler is not None and "loss_scale" in meta:
-        trainer.scaler.load_state_dict(meta["loss_scale"])
-    saved = model_buffers(meta)
+    if trainer.scaler is not None and record.loss_scale is not None:
+        trainer.scaler.load_state_dict(record.loss_scale)
+    saved = model_buffers(record)
     with torch.no_grad():
         for name, b in trainer.model.named_buffers():
             if name in saved:
                 b.copy_(saved[name].to(b.dtype))
-    return meta["step"]
+    return record.step
 
 
-def read_full_state(path: str) -> tuple[dict, dict]:
-    """(the run's configuration, {single-device name: full fp32 tensor}) of a checkpoint, in
+def read_full_state(path: str) -> tuple[RunRecord, dict]:
+    """(the run record, {single-device name: full fp32 tensor}) of a checkpoint, in
     this one process (for export): DCP assembles each tensor from the chunks of all ranks."""
     from ultrascale.train.resume import latest
 
     path = latest(path)  # a directory of per-step saves (--keep-last): the latest
-    meta = verified(path, what="checkpoint")  # every byte, before DCP reads any
+    record = verified(path, what="checkpoint")  # every byte, before DCP reads any
     index = _read_index(path, "checkpoint")
     full = {fqn[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
             for fqn, md in index.state_dict_metadata.items() if fqn.startswith("model.")}
     chunks = {(f"model.{name}", (0,) * t.dim()): t for name, t in full.items()}
     with _quiet(), _reading(path, "checkpoint", alone=True):
         dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_ChunkLoadPlanner(chunks), no_dist=True)
-    return meta["config"], full
+    return record, full
 
 
-def model_buffers(meta: dict) -> dict:
+def model_buffers(record: RunRecord) -> dict:
     """{buffer name: tensor} of what the model's forward reads beside its parameters and that training
     changes: every MoE router bias (aux-loss-free balancing), kept in meta.json. RoPE's tables are
     not here: they follow from the shape."""
-    return {name: torch.tensor(values, dtype=torch.float32) for name, values in meta.get("router_bias", {}).items()}
+    return {name: torch.tensor(values, dtype=torch.float32) for name, values in record.router_bias.items()}
 
 
 def trained_model(path: str, device="cpu"):
     """The model a checkpoint holds, in one process, as training left it: its shape from the run
     record, every parameter assembled from every rank's chunks, and its buffers (router biases).
     What `generate` runs; `export` writes the same tensors."""
-    from ultrascale.model.config import ModelConfig
     from ultrascale.model.transformer import build_model
     from ultrascale.train.resume import latest
 
-    path = latest(path)
-    run_config, state = read_full_state(path)
-    meta = read_meta(path, what="checkpoint")
-    cfg = ModelConfig.from_dict(run_config["model"])
-    return build_model(cfg, seed=0, source={**state, **model_buffers(meta)}).to(device)
+    record, state = read_full_state(latest(path))
+    model = build_model(record.config.model, seed=0, source={**state, **model_buffers(record)}).to(device)
+    unread = sorted(set(record.router_bias) - {name for name, _ in model.named_buffers()})
+    if unread:  # a bias the model has no place for would be dropped: another model
+        raise ConfigError(f"checkpoint {path}: its run record holds router biases the model has no buffer for "
+                          f"({unread[0]}): the checkpoint is damaged; use another checkpoint")
+    return model
 
 
 def _read_index(path: str, what: str):

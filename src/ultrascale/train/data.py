@@ -468,6 +468,23 @@ def resolve_tokenizer(t):
     return replace(t, tokenizer=corpus_spec)
 
 
+def data_identity(spec: str) -> list[dict]:
+    """What a run's batches are drawn from, as its run record keeps it: each prepared corpus of `spec`
+    with the SHA-256 of its index (which holds every shard's); nothing for a raw source, read anew
+    each run (hashing a raw corpus would cost a pass over it)."""
+    import hashlib
+
+    if not spec or not is_prepared_spec(spec):
+        return []
+    out = []
+    for _, path in parse_blend(spec) or [(1.0, spec)]:
+        index = os.path.join(path, INDEX)
+        if os.path.isfile(index):
+            with open(index, "rb") as f:
+                out.append({"path": path, "index_sha256": hashlib.sha256(f.read()).hexdigest()})
+    return out
+
+
 def is_prepared_spec(spec: str) -> bool:
     return bool(spec) and (parse_blend(spec) is not None or is_prepared(spec) or os.path.isfile(
         os.path.join(spec, ".prepare.json")))

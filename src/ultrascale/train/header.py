@@ -7,6 +7,9 @@ before the data, validation and peak lines), each readable alone:
     batch: 8 sequences x 32 tokens = 256 tokens per step (micro-batch 4 x grad-accum 1 x dp 2), steps 1-3
     precision: fp32, eager, recompute none
     writes: JSONL run.jsonl, TensorBoard tb, no W&B; checkpoint ck every 2 steps and at the end
+    settings: from the command line: --steps 6 --save ck --resume ck; from --resume ck: the model (tiny,
+        2 layers, hidden 64) --seed 5 --eval-every 2 --keep-last 2 and 40 more, as saved, at their defaults;
+        10 others at their defaults
 
 and after the peak line, what the run loaded (`initialized from hf:DIR`, `resumed DIR at step N`, a
 warning when a resumed run will not save) and what its first step compiles.
@@ -101,11 +104,54 @@ def outputs_line(cfg) -> str:
     return "writes: " + ", ".join(logs) + "; " + save
 
 
+def _setting(cfg, key: str) -> str:
+    section, name = key.split(".")
+    value = getattr(getattr(cfg, section), name)
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else ("--no-progress" if name == "progress" else f"{flag} false")
+    return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+
+
+def settings_line(cfg) -> str | None:
+    """Where the settings came from, when some came from elsewhere than the command line (a resumed
+    checkpoint, a --config file, --init-from): each source with what it set, a checkpoint's settings
+    shown where they are not the default (the rest counted). None for a run of flags and defaults."""
+    from dataclasses import fields
+
+    by: dict[str, list[str]] = {}
+    for key, source in cfg.origin.items():
+        by.setdefault(source, []).append(key)
+    if set(by) <= {"the command line"}:
+        return None
+    default = {s: {f.name: f.default for f in fields(getattr(cfg, s))} for s in ("parallel", "train")}
+    parts = []
+    for source, keys in sorted(by.items(), key=lambda kv: kv[0] != "the command line"):
+        shown, same = [], 0
+        for key in keys:
+            if key == "model":
+                shown.insert(0, f"the model ({cfg.model.name}, {_plural(cfg.model.layers, 'layer')}, hidden "
+                                f"{cfg.model.hidden})")
+            elif key.startswith("model."):
+                shown.append(_setting(cfg, key))
+            elif source.startswith("--resume") and getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) \
+                    == default[key.split(".")[0]].get(key.split(".")[1]):
+                same += 1
+            else:
+                shown.append(_setting(cfg, key))
+        rest = f"{' and ' if shown else ''}{same} more, as saved, at their defaults" if same else ""
+        parts.append(f"from {source}: {' '.join(shown)}{rest}")
+    unset = sum(f"{s}.{name}" not in cfg.origin for s in default for name in default[s])
+    return "settings: " + "; ".join(parts) + (f"; {unset} others at their defaults" if unset else "")
+
+
 def header_lines(trainer) -> list[str]:
     """The lines above the data, validation and peak lines, for the logging rank to print."""
     cfg, ctx = trainer.cfg, trainer.ctx
-    return [model_line(cfg), layout_line(cfg, ctx), batch_line(cfg, trainer.step), precision_line(cfg),
-            outputs_line(cfg)]
+    lines = [model_line(cfg), layout_line(cfg, ctx), batch_line(cfg, trainer.step), precision_line(cfg),
+             outputs_line(cfg)]
+    settings = settings_line(cfg)
+    return lines + ([settings] if settings else [])
 
 
 def start_lines(trainer) -> list[str]:

@@ -45,12 +45,13 @@ def describe(directory: str, names) -> dict:
                 ALGORITHM: checksum(os.path.join(directory, n))} for n in names}
 
 
-def check_files(path: str, meta: dict, what: str) -> None:
-    """Every file meta.json lists is in `path` with its size; a ConfigError names the first that is not."""
-    files = meta.get("files")
+def check_files(path: str, record, what: str) -> None:
+    """Every file the run record (train/record.py) lists is in `path` with its size; a ConfigError
+    names the first that is not."""
+    files = record.files
     if not isinstance(files, dict) or not files or not all(_entry(e) for e in files.values()):
         raise ConfigError(f"{what} {path}: meta.json does not list the checkpoint's files with their sizes and "
-                          f"checksums, as format {meta['format']} does: it was edited or damaged; {_FIX}")
+                          f"checksums, as format {record.format} does: it was edited or damaged; {_FIX}")
     for name, want in sorted(files.items()):
         file = os.path.join(path, name)
         try:
@@ -67,22 +68,22 @@ def _entry(e) -> bool:
     return isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get(ALGORITHM), str)
 
 
-def verify(path: str, meta: dict, what: str = "--resume") -> dict:
-    """Every file a checkpoint's meta.json lists against its checksum; the meta. `meta` is what
-    resume.read_meta read, which has checked each file's size already (so a missing or truncated
+def verify(path: str, record, what: str = "--resume"):
+    """Every file a checkpoint's run record lists against its checksum; the record. `record` is what
+    record.read_record read, which has checked each file's size already (so a missing or truncated
     file fails before any byte is read).
 
     A checkpoint of format 2 lists no files: it is accepted with a warning on stderr
     (its tensors are stored as in format 3, so it loads as before, unchecked)."""
-    if meta["format"] == 2:
+    if record.format == 2:
         print(f"ultrascale: warning: {what} {path} is a checkpoint of format 2, which lists no checksums: "
               f"it is loaded unverified; a save from it (train --resume {path} --save DIR) writes format 3, "
               f"which is verified", file=sys.stderr, flush=True)
-        return meta
-    for name, want in sorted(meta["files"].items()):
+        return record
+    for name, want in sorted(record.files.items()):
         file = os.path.join(path, name)
         got = checksum(file)
         if got != want[ALGORITHM]:
             raise ConfigError(f"{what} {path}: {file} is damaged: its {ALGORITHM} is {got}, meta.json says "
                               f"{want[ALGORITHM]} (same size, different bytes); {_FIX}")
-    return meta
+    return record

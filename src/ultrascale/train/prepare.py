@@ -2,6 +2,7 @@
 
   ultrascale data prepare SOURCE OUT_DIR [--tokenizer DIR] [--val-fraction 0.01] [--workers N]
   ultrascale data info OUT_DIR [--verify]
+  ultrascale data info CHECKPOINT          what its run trained on, and whether it is still there as it was
 
 SOURCE is what `train --data` reads raw (text files, directories, globs, JSONL,
 parquet, hf:DATASET_DIR). It is cut into pieces of about 16 MiB (train/corpus.py),
@@ -57,8 +58,8 @@ def add_parser(sub) -> None:
                    help="text per piece and shard, in MiB (a file larger than this is read in blocks cut at lines)")
     q.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it holds something else")
     q.set_defaults(func=cmd_prepare)
-    i = verbs.add_parser("info", help="what a prepared directory holds")
-    i.add_argument("out", metavar="DIR")
+    i = verbs.add_parser("info", help="what a prepared directory holds, or what a checkpoint trained on")
+    i.add_argument("out", metavar="DIR", help="a prepared corpus, or a checkpoint (its data and tokenizer)")
     i.add_argument("--verify", action="store_true", help="also check every shard's SHA-256")
     i.set_defaults(func=cmd_info)
 
@@ -282,9 +283,42 @@ class _bar:
             self.tqdm.close()
 
 
+def checkpoint_info(path: str) -> None:
+    """What a checkpoint's run trained on, from its run record, and whether it is still there as it was."""
+    from ultrascale.train.data import data_identity, same_tokenizer
+    from ultrascale.train.record import read_record
+
+    record = read_record(path, "checkpoint")
+    t = record.config.train
+    print(f"checkpoint {path}: step {record.step} of a run of {t.steps} steps, {record.config.model.name} "
+          f"({record.config.model.layers} layers), saved by {record.world_size} "
+          f"process{'' if record.world_size == 1 else 'es'}")
+    if not t.data:
+        print("data: Python's standard library (the default source)")
+    elif not record.data:
+        print(f"data: {t.data} (read raw: no index to compare)")
+    now = {d["path"]: d for d in data_identity(t.data)}
+    for d in record.data:
+        state = ("unchanged" if now.get(d["path"]) == d else "gone" if d["path"] not in now
+                 else "prepared again since: other batches")
+        print(f"data: {d['path']} (prepared; index sha256 {d['index_sha256'][:12]}: {state})")
+    tok = record.tokenizer
+    if tok is None:
+        print(f"tokenizer: {t.tokenizer} (a record before the tokenizer's files were hashed)")
+    elif tok.get("kind") == "hf":
+        state = "unchanged" if same_tokenizer(t.tokenizer, tok) else "gone or changed since"
+        print(f"tokenizer: {t.tokenizer} (Hugging Face; files sha256 {tok.get('sha256', '')[:12]}: {state})")
+    else:
+        print("tokenizer: bytes")
+
+
 def cmd_info(args) -> int:
     from ultrascale.train.data import read_index
+    from ultrascale.train.resume import latest
 
+    if os.path.isfile(os.path.join(latest(args.out), "meta.json")):
+        checkpoint_info(latest(args.out))
+        return 0
     index = read_index(args.out)
     for name in ("train", "val"):
         s = index["splits"][name]

@@ -20,13 +20,10 @@ are of these kinds:
 
 from __future__ import annotations
 
-import json
 import os
 
 from ultrascale.errors import ConfigError
-
-FORMAT = 3  # of the checkpoint directory (train/checkpoint.py); 3: meta.json lists every file, with its checksum
-READABLE = (2, 3)  # 2 is 3 without the file list: its tensors load the same, unverified
+from ultrascale.train.record import RunRecord, put_back_old, read_record
 # TrainConfig fields that change what the continuation computes.
 SAME_TRAIN = ("seq_len", "seed", "data", "data_column", "data_split", "tokenizer", "val_fraction", "dtype", "lr", "min_lr_ratio",
               "warmup_steps", "lr_schedule", "lr_decay_steps", "lr_decay_fraction", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "fp8",
@@ -111,9 +108,9 @@ def fit_global_batch(cfg, saved: dict, given: dict, world_size: int):
     return dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum=want // per_step))
 
 
-def check_resume(path: str, meta: dict, cfg) -> None:
+def check_resume(path: str, record: RunRecord, cfg) -> None:
     """Refuse, naming the setting, a run that would not continue the checkpoint's."""
-    saved, here = meta["config"], cfg.to_dict()
+    saved, here = record.settings, cfg.to_dict()
     for k, v in saved["model"].items():
         if k != "name" and here["model"].get(k) != v:
             raise ConfigError(f"--resume {path} holds a model with {k} = {v}, this run asks for {here['model'].get(k)}"
@@ -125,7 +122,7 @@ def check_resume(path: str, meta: dict, cfg) -> None:
             continue  # not given: the checkpoint's (Trainer._resume takes it)
         if k == "tokenizer" and saved["train"].get("data") == here["train"]["data"] and _prepared(here["train"]["data"]):
             continue  # a prepared corpus names its own (a checkpoint before the run recorded it says "bytes")
-        if k in saved["train"] and here["train"][k] != saved["train"][k]:
+        if here["train"][k] != saved["train"][k]:
             other = (f", or add --override-schedule to continue it with this {_flag(k)}" if k in SCHEDULE
                      else " (or start a new one)")
             raise ConfigError(f"--resume {path} was trained with {_flag(k)} {saved['train'][k]}, this run asks for "
@@ -134,9 +131,24 @@ def check_resume(path: str, meta: dict, cfg) -> None:
         raise ConfigError(f"--resume {path} was trained on {global_batch(saved)} sequences per step, this run on "
                           f"{cfg.global_batch} (micro-batch x grad-accum x dp): keep the global batch, e.g. drop "
                           f"--grad-accum and it is chosen for you")
-    if meta["step"] >= cfg.train.steps:
-        raise ConfigError(f"--resume {path} is already at step {meta['step']} and --steps {cfg.train.steps} "
+    if record.step >= cfg.train.steps:
+        raise ConfigError(f"--resume {path} is already at step {record.step} and --steps {cfg.train.steps} "
                           f"counts all steps: pass a larger --steps")
+    check_same_data(path, record, cfg.train.data)
+
+
+def check_same_data(path: str, record: RunRecord, data: str) -> None:
+    """The prepared corpora the record names still hold the tokens the run trained on: a corpus
+    prepared again in the same directory (other files, another tokenizer) gives other batches."""
+    from ultrascale.train.data import data_identity
+
+    if not record.data or data != record.config.train.data:
+        return
+    for saved, now in zip(record.data, data_identity(data)):
+        if saved != now:
+            raise ConfigError(f"--resume {path} trained on {saved['path']}, whose index.json has changed since "
+                              f"(it was prepared again): the batches would differ; resume with the corpus as it "
+                              f"was, or start a new run")
 
 
 # What makes a checkpoint another run's, besides the model's shape: what its batches are drawn from.
@@ -160,15 +172,13 @@ def check_save_target(cfg) -> None:
     elif t.keep_last and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "meta.json")):
         return  # the per-step checkpoints go into subdirectories: other files beside them are left alone
     put_back_old(path)
-    meta_file = os.path.join(path, "meta.json")
-    if not os.path.isfile(meta_file):
+    if not os.path.isfile(os.path.join(path, "meta.json")):
         if os.path.isdir(path) and os.listdir(path):
             raise ConfigError(f"--save {t.save} is a directory of other files, not a checkpoint: --save another "
                               f"directory, or add --overwrite to replace it")
         return
     try:
-        with open(meta_file, encoding="utf-8") as f:
-            saved = json.load(f)["config"]
+        saved = read_record(path, "--save").settings
         here = cfg.to_dict()
         differ = [(k, v, here["model"].get(k)) for k, v in saved["model"].items()
                   if k != "name" and here["model"].get(k) != v]
@@ -177,7 +187,7 @@ def check_save_target(cfg) -> None:
         differ += [(k, saved["train"][k], here["train"][k]) for k in RUN_IDENTITY
                    if k in saved["train"] and _same(k, saved["train"][k]) != _same(k, here["train"][k])
                    and not (k == "tokenizer" and _prepared(here["train"]["data"]))]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (ConfigError, OSError):
         differ = [("meta.json", "unreadable", None)]
     if differ:
         k, theirs, ours = differ[0]
@@ -223,64 +233,3 @@ def latest(path: str) -> str:
         return path
     steps = step_dirs(path)
     return steps[-1][1] if steps else path
-
-
-def read_meta(path: str, what: str = "--resume") -> dict:
-    """A checkpoint's meta.json (step, configuration, its files), without importing torch: the
-    CLI reads it before any process starts. `what` names the argument in messages.
-
-    Every file meta.json lists must be there with its size (a stat each: the checksums are
-    `integrity.verify`'s, once per start). Format 2 (before the file list) is read as it is."""
-    from ultrascale.train.integrity import check_files
-
-    put_back_old(path)
-    if not os.path.isdir(path):
-        raise ConfigError(f"{what} {path}: no such checkpoint directory")
-    meta_file = os.path.join(path, "meta.json")
-    if not os.path.isfile(meta_file):
-        raise ConfigError(f"{what} {path}: no meta.json: not a checkpoint written by `ultrascale train --save`, "
-                          f"or one whose meta.json was lost (a save writes it before the directory appears): "
-                          f"use another checkpoint")
-    meta = _parse_meta(meta_file, what, path)
-    if meta.get("format") not in READABLE:
-        raise ConfigError(f"{what} {path} was written in checkpoint format {meta.get('format')}, this version "
-                          f"reads formats {' and '.join(map(str, READABLE))}: use the version that wrote it")
-    if meta["format"] >= 3:
-        check_files(path, meta, what)
-    return meta
-
-
-def verified(path: str, what: str = "--resume") -> dict:
-    """read_meta, then every file it lists against its checksum (integrity.verify): the meta."""
-    from ultrascale.train.integrity import verify
-
-    return verify(path, read_meta(path, what), what)
-
-
-def _parse_meta(meta_file: str, what: str, path: str) -> dict:
-    try:
-        with open(meta_file, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{what} {path}: {meta_file} is not valid JSON ({str(e).splitlines()[0][:80]}): "
-                          f"the checkpoint is damaged; use another checkpoint") from None
-    if not isinstance(meta, dict) or not {"format", "step", "config"} <= meta.keys():
-        raise ConfigError(f"{what} {path}: {meta_file} does not describe a checkpoint (it needs format, step "
-                          f"and config): the checkpoint is damaged; use another checkpoint")
-    return meta
-
-
-def put_back_old(path: str) -> None:
-    """A save stopped between its two renames (DIR -> DIR.old, DIR.tmp -> DIR) leaves no DIR and
-    the previous checkpoint as DIR.old: rename it back, as the run's next save would. Safe when
-    several processes try at once (torchrun's ranks): the rename is atomic, one of them does it."""
-    path = path.rstrip("/")
-    old = path + ".old"
-    if not os.path.exists(path) and os.path.isdir(old):
-        try:
-            os.replace(old, path)
-        except FileNotFoundError:
-            pass  # another process put it back first
-        except OSError as e:
-            raise ConfigError(f"{path} is missing and {old} holds the checkpoint before a save that stopped "
-                              f"half-way, but it cannot be renamed back ({e.strerror}): rename it to {path}") from None

@@ -397,12 +397,12 @@ class Trainer:
         """Continue from `path`, whatever layout wrote it (train/checkpoint.py)."""
         from ultrascale.train import checkpoint
 
-        meta = checkpoint.read_meta(path)
-        resume.check_resume(path, meta, self.cfg)
+        record = checkpoint.read_record(path)
+        resume.check_resume(path, record, self.cfg)
         if not self.cfg.train.lr_decay_steps:  # the schedule the checkpoint was trained with
             import dataclasses
 
-            saved = meta["config"]["train"].get("lr_decay_steps") or meta["config"]["train"]["steps"]
+            saved = record.config.train.lr_decay_steps or record.config.train.steps
             self.cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, lr_decay_steps=saved))
         self.step = checkpoint.load(path, self)
 
