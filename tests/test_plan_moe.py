@@ -2,6 +2,7 @@
 H800 and the link bandwidths of any cluster; DualPipe's overlap of the expert all-to-all."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -91,6 +92,26 @@ def test_the_trained_shapes_are_within_1_percent_of_the_published_counts():
     assert within(qw.count(), 30.5e9, 0.01)
     assert within(qw.count() - 2 * qw.vocab * qw.hidden, 29.9e9, 0.01)
     assert within(qw.active_params(), 3.3e9, 0.02)
+
+
+def test_plan_says_how_many_parameters_a_token_multiplies(capsys, tmp_path):
+    """The active count (checked above against config.json) in every output of `plan` and `plan memory`."""
+    ds = get_shape("deepseek-v3")
+    words = f"671,026,404,352 parameters, {ds.active_params():,} active per token"
+    assert plan_json(capsys, *DEEPSEEK_RUN)["active_param_count"] == ds.active_params() == 37_552_282_624
+    code, out, err = cli(capsys, "plan", "memory", *DEEPSEEK_RUN)
+    assert code == 0 and out.splitlines()[0].startswith("deepseek-v3: 671,026,404,352 parameters ("), err
+    assert f", {ds.active_params():,} active per token, precision " in out.splitlines()[0]
+    search = ["plan", "--model", "deepseek-v3", "--gpus", "2048", "--seq-len", "4096", "--top", "1"]
+    code, out, err = cli(capsys, *search, "--html", str(tmp_path / "p.html"))
+    assert code == 0 and out.startswith(f"deepseek-v3 ({words}) on 2048 x h100-80gb: "), err
+    assert words in (tmp_path / "p.html").read_text()
+    code, out, err = cli(capsys, *search, "--json")
+    assert json.loads(out)["active_param_count"] == ds.active_params()
+    dense = plan_json(capsys, "--model", "llama3-8b", "--dp", "8", "--seq-len", "4096", "--micro-batch", "1")
+    assert dense["active_param_count"] == dense["param_count"]
+    code, out, err = cli(capsys, "plan", "memory", "--model", "llama3-8b", "--dp", "8")
+    assert "active per token" not in out
 
 
 def test_the_approximations_miss_the_published_counts():

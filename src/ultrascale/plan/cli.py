@@ -278,7 +278,8 @@ def cmd_search(args) -> int:
         write(args.emit_config, shape, lay, model, note, fw.name, gpu.node_size, args.emit_launch or "")
     needed = None if result.ranked else gpus_needed(shape, args.gpus, gpu, fw, args.seq_len,
                                                     args.global_batch_tokens, args.precision, fixed)
-    out = {"model": shape.name, "shape": model.as_dict(), "gpus": args.gpus, "gpu": gpu.gpu.name, "cluster": gpu.name,
+    out = {"model": shape.name, "shape": model.as_dict(), "param_count": shape.count(),
+           "active_param_count": shape.active_params(), "gpus": args.gpus, "gpu": gpu.gpu.name, "cluster": gpu.name,
            "framework": fw.name,
            "enumerated": result.enumerated, "fitting": len(result.ranked),
            "error_band": result.band, "memory_error": result.memory_error, "top_group": len(result.top_group),
@@ -291,12 +292,14 @@ def cmd_search(args) -> int:
         from ultrascale.plan import page
 
         page.write(args.html, out,
-                   f"{shape.name} on {args.gpus} x {gpu.gpu.name}: {sequences} sequences x {args.seq_len} tokens",
+                   f"{shape.name} ({shape.params_words()}) on {args.gpus} x {gpu.gpu.name}: {sequences} sequences x "
+                   f"{args.seq_len} tokens",
                    f"precision {args.precision}, {assumptions(gpu, fw)}", gpu.memory_bytes)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{shape.name} on {args.gpus} x {gpu.gpu.name}: {sequences} sequences x {args.seq_len} tokens per step, "
+    print(f"{shape.name} ({shape.params_words()}) on {args.gpus} x {gpu.gpu.name}: {sequences} sequences x "
+          f"{args.seq_len} tokens per step, "
           f"precision {args.precision}, {assumptions(gpu, fw)}")
     for line in model.lines():  # a changed preset: what was given and what followed
         print(line)
@@ -371,7 +374,8 @@ def cmd_memory(args) -> int:
         mem = {k: (round(v) if k not in ("in_flight_micro_batches",) else v) for k, v in plan.as_dict().items()
                if not isinstance(v, list)}
         mem["stages"] = [{k: round(v) for k, v in s.items()} for s in plan.as_dict()["stages"]]
-        out = {"model": shape.name, "shape": model.as_dict(), "param_count": shape.count(), "gpu": gpu.gpu.name,
+        out = {"model": shape.name, "shape": model.as_dict(), "param_count": shape.count(),
+               "active_param_count": shape.active_params(), "gpu": gpu.gpu.name,
                "cluster": gpu.name, "gpu_memory_bytes": round(gpu.memory_bytes),
                "framework": fw.name, "layout": lay.to_dict(), "memory": mem,
                "fits": fits(plan, gpu), "verdict": verdict(plan, gpu), "time": timing.as_dict()}

@@ -249,8 +249,14 @@ def verdict(plan: MemoryPlan, gpu) -> str:
     if plan.peak.total <= gpu.memory_bytes:
         return "fits"
     if fits(plan, gpu):
-        return (f"fits tightly: {(gpu.memory_bytes - max(s.needed for s in plan.stages)) / GIB:.1f} GiB left "
-                f"for the allocator's cache (planned {plan.peak.terms['overhead'] / GIB:.1f} GiB of overhead)")
+        # The total counts the caching allocator's slack, which it gives back before it runs out of memory:
+        # over the card by that alone, the run fits with less cache than planned.
+        tight = max(plan.stages, key=lambda s: s.needed)
+        needed, slack = tight.needed, tight.slack
+        return (f"fits tightly: the live tensors and the context need {needed / GIB:.1f} GiB of the card's "
+                f"{gpu.memory_bytes / GIB:.1f}; the total counts {slack / GIB:.1f} GiB of allocator cache, of "
+                f"which {(gpu.memory_bytes - needed) / GIB:.1f} GiB fit (the cache is emptied before memory "
+                f"runs out: slower, not refused)")
     return "does NOT fit"
 
 

@@ -30,7 +30,9 @@ def memory_lines(shape, lay, plan, gpu, fw, model=None) -> list[str]:
     n = lay.dp * lay.cp
     shard = {f"z{s}": (f"/{n}" if lay.zero >= s else "") for s in (1, 2, 3)}
     sizes = {"b": prec.param_bytes, "g": prec.grad_bytes, "k": prec.optim_bytes}
-    out = [f"{shape.name}: {shape.count():,} parameters ({peak.param_count:,.0f} on this GPU), precision "
+    on_gpu = f" ({peak.param_count:,.0f} on this GPU)"
+    words = shape.params_words().replace(" parameters", f" parameters{on_gpu}", 1)
+    out = [f"{shape.name}: {words}, precision "
            f"{lay.precision} (b={sizes['b']}, g={sizes['g']}, k={sizes['k']} bytes), framework {fw.name}",
            *(model.lines() if model else []),
            f"layout: {lay.label()}, seq {lay.seq_len}",

@@ -288,6 +288,11 @@ class ModelShape:
         idle = (self.experts - self.top_k) * self.expert_params() * self.moe_layers
         return self.count() - idle
 
+    def params_words(self) -> str:
+        """'8,030,261,248 parameters', and for a Mixture of Experts how many of them one token multiplies."""
+        words = f"{self.count():,} parameters"
+        return words + (f", {self.active_params():,} active per token" if self.is_moe else "")
+
 
 @functools.lru_cache(maxsize=256)
 def _count(shape: ModelShape) -> int:
