@@ -280,6 +280,39 @@ def overlapped_data_parallel(model, x, y, loss_fn):
         flat.div_(world)
         dist.all_reduce(flat)
 '''),
+    (2, "closes the still-empty bucket when the first gradient is over the cap", "the still-empty bucket was closed",
+     _grouped('''
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        if size + p.numel() > cap_numel:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        buckets.append(current)
+''')),
+    (2, "all-reduces an empty bucket it made with torch.zeros", "an empty bucket", '''
+def bucketed_all_reduce(params, cap_numel):
+    world = dist.get_world_size()
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        if size + p.numel() > cap_numel:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        buckets.append(current)
+    for bucket in buckets:
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket]) if bucket else torch.zeros(0)
+        flat.div_(world)
+        dist.all_reduce(flat)
+        offset = 0
+        for p in bucket:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+'''),
     (2, "drops the last, partial bucket", "you dropped the last, partial bucket", _grouped('''
     buckets, current, size = [], [], 0
     for p in reversed(params):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ultrascale.series.checks import on_ranks, require_finite
+from ultrascale.series.checks import RankError, on_ranks, require_finite
 
 WORLD = 2
 EVERYONE = tuple(range(WORLD))
@@ -699,9 +699,19 @@ def _written_back(results, names, want) -> None:
                 f"write each parameter's own slice back (offsets in bucket order)")
 
 
-def exercise_2(fn, caps=(300, 272, 100), seed=3):
+def _no_empty_bucket(got, mine, cap) -> None:
+    empty = [k + 1 for k, c in enumerate(mine) if c.bytes == 0] if got is None else [
+        k + 1 for k, b in enumerate(got) if not b]
+    assert not empty, (
+        f"all-reduce call {empty[0]} carries no elements (cap_numel = {cap}): an empty bucket. The first "
+        f"gradient backward produces is already larger than the cap, and the still-empty bucket was closed "
+        f"before it; start a new bucket only when the current one holds something")
+
+
+def exercise_2(fn, caps=(300, 272, 100, 2), seed=3):
     """fn(params, cap_numel) on 2 ranks: one averaging all-reduce per bucket of the stated rule, results back
-    in every p.grad. Cap 272 is one a bucket fills exactly (256 + 16 elements)."""
+    in every p.grad. Cap 272 is one a bucket fills exactly (256 + 16 elements); cap 2 is smaller than every
+    parameter, the first one backward produces included (a bucket each, none empty)."""
     model = bucket_model()
     names = [k for k, _ in model.named_parameters()]
     sizes = [p.numel() for p in model.parameters()]
@@ -709,7 +719,15 @@ def exercise_2(fn, caps=(300, 272, 100), seed=3):
     want = _single_process(bucket_model, seed, 8, 4, samples)
     for cap in caps:
         calls = []
-        results = on_ranks(WORLD, _ex2_on_rank, fn, cap, seed, samples, calls=calls)
+        try:
+            results = on_ranks(WORLD, _ex2_on_rank, fn, cap, seed, samples, calls=calls)
+        except RankError as e:
+            if "non-empty list of Tensors" in str(e):  # torch.cat of an empty bucket
+                raise AssertionError(
+                    f"torch.cat was given an empty bucket (cap_numel = {cap}): the first gradient backward "
+                    f"produces is already larger than the cap, and the still-empty bucket was closed before it; "
+                    f"start a new bucket only when the current one holds something") from None
+            raise
         for rank, r in enumerate(results):
             require_finite(r["grads"], f"rank {rank}'s gradients after bucketed_all_reduce (cap_numel = {cap})")
         _only_all_reduce(calls, "each bucket")
@@ -719,6 +737,7 @@ def exercise_2(fn, caps=(300, 272, 100), seed=3):
         for r in results:
             _waited(r["notes"])
         got = _buckets_sent(results[0], mine, names, cap)
+        _no_empty_bucket(got, mine, cap)
         if got is None:
             _sizes_by_the_rule(mine, sizes, cap)
         else:
