@@ -617,7 +617,7 @@ ranks with **one all-reduce per bucket**. The rule (the engine's, not DDP's - se
    its `p.grad`.
 
 The check runs it on **2 real ranks** with the model of the bucket section (parameters of 128, 16, 256, 16,
-64 and 4 elements) for three caps (one of them a bucket fills exactly), reads your buckets from the buffers
+64 and 4 elements) for four caps (one a bucket fills exactly, one below every parameter), reads your buckets from the buffers
 your all-reduces send, and compares every `p.grad` with one process trained on the whole batch.
 ''',
             starter=r'''
