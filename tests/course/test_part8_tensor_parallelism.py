@@ -226,6 +226,10 @@ def tp_mlp(x, w1_shard, w2_shard):
     (2, "owner test leaves out the shard's first id", "off by one at a shard's edge (local > 0",
      (_CE % (_MAX, " * mine", "mean")).replace("(local >= 0)", "(local > 0)")),
     (2, "sum over tokens", "F.cross_entropy averages", _CE % (_MAX, " * mine", "sum")),
+    (2, "the sums of exp in fp16", "the size of a 16-bit rounding", _ce_without(
+        "sum_exp = z.exp().sum(dim=-1)", "sum_exp = z.exp().half().sum(dim=-1)")),
+    (2, "the sums of exp all-reduced in bf16", "the size of a 16-bit rounding", _ce_without(
+        "dist.all_reduce(sum_exp)", "sum_exp = sum_exp.bfloat16(); dist.all_reduce(sum_exp); sum_exp = sum_exp.float()")),
     (2, "no max at all", "exp overflows", '''
 def vocab_parallel_ce(logits, targets, vocab_start):
     n = logits.shape[-1]

@@ -13,6 +13,7 @@ weights gathered, the logits all-reduced whole) are not tensor parallelism.
 from __future__ import annotations
 
 from ultrascale.series.checks import RankError, on_ranks, require_finite
+from ultrascale.testing.tolerance import BF16_FORMAT, FP16_FORMAT
 
 WORLD = 2
 B, S, H, FFN = 2, 3, 8, 16  # the MLP: x [B, S, H], w1 [FFN, H], w2 [H, FFN]
@@ -367,9 +368,24 @@ def _ce_mistake(rank, got, want, variants, shift):
     if abs(got - WORLD * want) <= 1e-4 * abs(want) or abs(got - want / WORLD) <= 1e-4 * abs(want):
         raise AssertionError(f"rank {rank}'s loss is off by a factor of {WORLD} ({got:.4f} vs {want:.4f}): "
                              f"the loss is computed once from the all-reduced sums, not added over ranks")
+    rel = abs(got - want) / max(1.0, abs(want))
+    if rel <= 2 * BF16_FORMAT.u:
+        raise AssertionError(f"rank {rank}'s loss {got:.6f} is {rel:.1e} from F.cross_entropy's {want:.6f}: the size "
+                             f"of a 16-bit rounding (fp16's u is {FP16_FORMAT.u:.1e}, bf16's {BF16_FORMAT.u:.1e}), "
+                             f"far above what fp32 arithmetic leaves ({_ce_bound():.1e}): a max, a sum of exp or a "
+                             f"target logit went through fp16 or bf16; keep the loss's arithmetic and its "
+                             f"all-reduces in fp32")
     raise AssertionError(f"rank {rank}'s loss {got:.6f} differs from F.cross_entropy on the whole "
                          f"logits, {want:.6f}: loss = log(sum exp(z - max)) - (z_target - max), "
                          f"averaged over tokens")
+
+
+def _ce_bound() -> float:
+    """What fp32 arithmetic may leave against the float64 reference, relative to max(1, loss): the fp32
+    reordering class (testing/tolerance.py; the widest sum here, the vocabulary, is 64 terms)."""
+    from ultrascale.testing.tolerance import FP32_REORDER
+
+    return FP32_REORDER.tolerance.loss_rtol
 
 
 def exercise_2(vocab_parallel_ce):
@@ -386,5 +402,5 @@ def exercise_2(vocab_parallel_ce):
         variants = _ce_variants(logits, targets)
         for rank, got in enumerate(results):
             assert got is not None, f"rank {rank} returned more than one number: return the mean loss, a scalar"
-            if abs(got - want) > 1e-4 * max(1.0, abs(want)):
+            if abs(got - want) > _ce_bound() * max(1.0, abs(want)):
                 _ce_mistake(rank, got, want, variants, shift)
