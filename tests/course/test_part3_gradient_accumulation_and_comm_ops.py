@@ -31,6 +31,14 @@ def ring(old, new):
 
 
 WRONG = [  # (exercise, label, what the check must say, answer source)
+    # A request left unwaited passes or fails by the timing (gloo sends a small chunk at once): named every time.
+    (2, "the isend's request never waited for", "the request of isend to rank", ring(
+        "exchange(chunks[out], buf, right, left)", '''sending = dist.isend(chunks[out], right)
+        dist.recv(buf, left)''')),
+    (2, "batch_isend_irecv, only the receive waited for", "the request of isend to rank", ring(
+        "exchange(chunks[out], buf, right, left)",
+        '''ops = [dist.P2POp(dist.isend, chunks[out], right), dist.P2POp(dist.irecv, buf, left)]
+        dist.batch_isend_irecv(ops)[1].wait()''')),
     (2, "irecv posted first, chunks of t.chunk", "t.chunk(N) can give fewer than N pieces", '''
 def ring_all_reduce(t):
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -213,7 +213,7 @@ def _call_on_rank(payload: bytes, status_dir: str):
 
     import torch.distributed as dist
 
-    from ultrascale.series.watch import watching
+    from ultrascale.series.watch import unwaited, watching
 
     namespace = {"__name__": "__notebook__"}
     # Watched from before the functions are defined: a `from torch.distributed import all_reduce`
@@ -224,6 +224,15 @@ def _call_on_rank(payload: bytes, status_dir: str):
             fn = _unpack(fn, namespace)
             args = [_unpack(a, namespace) for a in args]
             kwargs = {k: _unpack(v, namespace) for k, v in kwargs.items()}
-            return ("ok", fn(*args, **kwargs), list(record))
+            result = fn(*args, **kwargs)
+            left = unwaited()
+            if left:  # a race that passes or fails by the timing: named every time instead
+                call = left[0]
+                more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+                raise AssertionError(
+                    f"rank {dist.get_rank()}: the request of {call}{more} was never waited for: until its "
+                    f".wait(), a received buffer may not hold the data yet, an all-reduced one not the sum, and "
+                    f"a sent one may still be read; call .wait() on every request before its tensor is used")
+            return ("ok", result, list(record))
         except Exception as e:  # noqa: BLE001 - the notebook decides what each kind means
             return ("failed", type(e).__name__, str(e), traceback.format_exc(limit=-4), list(record))

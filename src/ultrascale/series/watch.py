@@ -102,6 +102,7 @@ _RECORD: list[Call] | None = None
 _STATUS: str | None = None  # this rank's file, where a blocking call is announced
 _DEPTH = [0]  # inside a wrapped call: the calls it makes itself are its own business
 _SEQ: dict = {}  # group -> collectives called on it so far: the n-th on a group is the same call on each rank
+_PENDING: list = []  # every request handed to the learner (_WatchedWork), waited for or not
 
 
 def calls() -> list[Call]:
@@ -158,20 +159,42 @@ def _key(call: Call) -> str:
 
 
 class _WatchedWork:
-    """An isend/irecv's Work: its wait() is where the rank blocks, so that is what is announced."""
+    """An isend/irecv's Work (or an async collective's): its wait() is where the rank blocks, so that is
+    what is announced. Whether it was waited for is kept (`unwaited`): a request left unwaited is a race
+    that passes or fails by luck, so it is named every time, whatever the timing."""
 
-    def __init__(self, work, call: Call, key: str):
+    def __init__(self, work, call: Call, key: str | None):
         self._work, self._call, self._key = work, call, key
+        self.waited = False
+        _PENDING.append(self)
 
     def wait(self, *args, **kwargs):
+        self.waited = True
+        if self._key is None:  # a batch's request: its sends and receives were announced one by one
+            return self._work.wait(*args, **kwargs)
         _announce(f"the wait of {self._call}", self._key)
         try:
             return self._work.wait(*args, **kwargs)
         finally:
             _announce(None)
 
+    def get_future(self):
+        self.waited = True  # waited for through the future (torch.futures.wait_all, fut.wait())
+        return self._work.get_future()
+
+    def is_completed(self):
+        done = self._work.is_completed()
+        self.waited = self.waited or bool(done)  # polled until complete: as good as a wait
+        return done
+
     def __getattr__(self, name):
         return getattr(self._work, name)
+
+
+def unwaited() -> list[Call]:
+    """The calls of this rank whose request (the Work an isend, irecv or async_op=True returned) was never
+    waited for, in the order they were made."""
+    return [w._call for w in _PENDING if not w.waited]
 
 
 def _describe(name: str, signature, args, kwargs) -> Call:
@@ -223,6 +246,36 @@ def _wrap(name: str, original):
 
     watched.__watched__ = original
     watched.__name__ = name
+    watched.__doc__ = original.__doc__
+    return watched
+
+
+def _wrap_batch(original):
+    """batch_isend_irecv: its sends and receives are recorded and announced one by one (the wrapped isend
+    and irecv it calls, whose requests gloo returns as the batch's); the requests it returns are the ones
+    to wait for, and the only ones kept as pending."""
+
+    def watched(p2p_op_list, *args, **kwargs):
+        if _DEPTH[0] or _RECORD is None:
+            return original(p2p_op_list, *args, **kwargs)
+        before = len(_PENDING)
+        works = original(p2p_op_list, *args, **kwargs)
+        if not isinstance(works, list):
+            return works
+        inner = _PENDING[before:]
+        del _PENDING[before:]
+        out = []
+        for w in works:
+            if any(w is i for i in inner):
+                _PENDING.append(w)
+                out.append(w)
+            else:  # a backend that coalesces: one request of its own for the batch
+                out.append(_WatchedWork(w, Call("batch_isend_irecv", (), sum(_bytes(getattr(op, "tensor", None))
+                                                                            for op in p2p_op_list)), None))
+        return out
+
+    watched.__watched__ = original
+    watched.__name__ = "batch_isend_irecv"
     watched.__doc__ = original.__doc__
     return watched
 
@@ -293,6 +346,13 @@ def watching(status_file: str | None = None):
             if getattr(module, name, None) is original:
                 saved.append((module, name, original))
                 setattr(module, name, wrapper)
+    original = getattr(c10d, "batch_isend_irecv", None)
+    if original is not None:
+        wrapper = _wrap_batch(original)
+        for module in (dist, c10d):
+            if getattr(module, "batch_isend_irecv", None) is original:
+                saved.append((module, "batch_isend_irecv", original))
+                setattr(module, "batch_isend_irecv", wrapper)
     try:
         import torch.distributed._functional_collectives as funcol
     except ImportError:
@@ -304,6 +364,7 @@ def watching(status_file: str | None = None):
             setattr(funcol, name, _wrap_funcol(name, original))
     _RECORD, _STATUS = [], status_file
     _SEQ.clear()
+    _PENDING.clear()
     _announce(None)
     try:
         yield _RECORD
