@@ -277,7 +277,7 @@ def test_a_reader_that_stops_early_is_no_error():
     # `ultrascale plan ... | head -1`: the pipe closes after one line.
     p = subprocess.Popen([sys.executable, "-m", "ultrascale", "plan", "--model", "llama3-8b", "--gpus", "64",
                           "--top", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert p.stdout.readline().startswith("llama3-8b (8,030,261,248 parameters) on 64")
+    assert p.stdout.readline().startswith("llama3-8b on 64 x h100-80gb (8,030,261,248 parameters): ")
     p.stdout.close()
     err = p.stderr.read()
     assert p.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -104,7 +104,7 @@ def test_plan_says_how_many_parameters_a_token_multiplies(capsys, tmp_path):
     assert f", {ds.active_params():,} active per token, precision " in out.splitlines()[0]
     search = ["plan", "--model", "deepseek-v3", "--gpus", "2048", "--seq-len", "4096", "--top", "1"]
     code, out, err = cli(capsys, *search, "--html", str(tmp_path / "p.html"))
-    assert code == 0 and out.startswith(f"deepseek-v3 ({words}) on 2048 x h100-80gb: "), err
+    assert code == 0 and out.startswith(f"deepseek-v3 on 2048 x h100-80gb ({words}): "), err
     assert words in (tmp_path / "p.html").read_text()
     code, out, err = cli(capsys, *search, "--json")
     assert json.loads(out)["active_param_count"] == ds.active_params()

@@ -292,13 +292,13 @@ def cmd_search(args) -> int:
         from ultrascale.plan import page
 
         page.write(args.html, out,
-                   f"{shape.name} ({shape.params_words()}) on {args.gpus} x {gpu.gpu.name}: {sequences} sequences x "
+                   f"{shape.name} on {args.gpus} x {gpu.gpu.name} ({shape.params_words()}): {sequences} sequences x "
                    f"{args.seq_len} tokens",
                    f"precision {args.precision}, {assumptions(gpu, fw)}", gpu.memory_bytes)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{shape.name} ({shape.params_words()}) on {args.gpus} x {gpu.gpu.name}: {sequences} sequences x "
+    print(f"{shape.name} on {args.gpus} x {gpu.gpu.name} ({shape.params_words()}): {sequences} sequences x "
           f"{args.seq_len} tokens per step, "
           f"precision {args.precision}, {assumptions(gpu, fw)}")
     for line in model.lines():  # a changed preset: what was given and what followed
