@@ -6,11 +6,14 @@ the packing routine exists only in the kernel's AVX512 build: under ATEN_CPU_CAP
 decision is tested on the flags of three machines; the chosen kernel is run here for real.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ultrascale.errors import ConfigError
 from ultrascale.parallel import precision
 from ultrascale.parallel.precision import choose_attention_kernel, cpu_flash_attention_fails
 
@@ -90,6 +93,8 @@ def test_choice_switches_flash_off_and_a_later_run_back_on(monkeypatch):
 
 
 def test_choice_leaves_a_flash_switch_it_did_not_set(monkeypatch):
+    # Not switched off by this module (an earlier run of this process may have, on a machine that needs it).
+    monkeypatch.setattr(precision, "_SWITCHED_OFF", False)
     as_machine(monkeypatch, "AVX512", SAPPHIRE_RAPIDS)
     torch.backends.cuda.enable_flash_sdp(False)  # off for another reason
     assert choose_attention_kernel("bf16", "cpu") == "flash"
@@ -102,7 +107,12 @@ def test_dtype_check_at_trainer_start_applies_the_choice(monkeypatch):
     precision.check_dtype_support("bf16", "cpu")
     assert not torch.backends.cuda.flash_sdp_enabled()
     as_machine(monkeypatch, "DEFAULT", EPYC_AVX512)
-    precision.check_dtype_support("bf16", "cpu")
+    # The probe then runs torch's real flash kernel: where this CPU cannot (AMX under a kernel set below
+    # avx512), the probe refuses bf16, as it should for a machine it is told can run it; the switch is on.
+    real_fails = precision.cpu_flash_attention_fails(torch.backends.cpu.get_cpu_capability(), precision.cpu_flags(),
+                                                     "bf16", "cpu")
+    with pytest.raises(ConfigError, match="pack_vnni2") if real_fails else contextlib.nullcontext():
+        precision.check_dtype_support("bf16", "cpu")
     assert torch.backends.cuda.flash_sdp_enabled()
 
 
@@ -141,6 +151,9 @@ def test_chosen_kernel_matches_the_math_backend_in_bf16(monkeypatch, machine):
     torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(precision.cpu_flash_attention_fails(torch.backends.cpu.get_cpu_capability(), precision.cpu_flags(),
+                                                        "bf16", "cpu"),
+                    reason="compares with torch's CPU flash kernel, which this CPU cannot run under this kernel set")
 def test_context_parallel_blocks_follow_the_choice(monkeypatch):
     """Ring attention calls the CPU flash kernel directly: where it would fail, its blocks take the
     math, which gives the same (O, lse) and gradients within bf16 rounding."""

@@ -11,7 +11,7 @@ import pytest
 
 from ultrascale.config import ParallelConfig, RunConfig, TrainConfig
 from ultrascale.model import get_preset
-from ultrascale.plan.calibration import get_framework
+from ultrascale.plan.calibration import engine_here
 from ultrascale.plan.layout import Layout, check_layout
 from ultrascale.plan.memory import memory_plan
 from ultrascale.plan.precision import ENGINE_PRECISION, get_precision
@@ -52,7 +52,7 @@ def check(cfg, label):
                  micro_batch=t.micro_batch, grad_accum=t.grad_accum, seq_len=t.seq_len,
                  precision=ENGINE_PRECISION[t.dtype], recompute=t.recompute, bucket_mb=p.bucket_mb)
     check_layout(lay, shape)
-    plan = memory_plan(shape, lay, get_framework("ultrascale"))
+    plan = memory_plan(shape, lay, engine_here(t.dtype))  # the attention kernel the engine runs here
     stages = stage_layer_ids(shape, p.pp, "even", p.pp_chunks, p.pp_first_stage_layers, p.pp_last_stage_layers)
     per_rank = measured(cfg)
     for world_rank, m in enumerate(per_rank):

@@ -58,7 +58,7 @@ of the shard's positions, gathered from the tables: 4·head_dim bytes per positi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,8 @@ class ActivationSpec:
     kernels: str = "eager"  # eager: our engine as written; fused: fused norms, [b, s, heads, d] attention
     sp_keeps_gathered_input: bool = False
     # flash: the attention keeps its output and logsumexp (SDPA, FlashAttention); eager: it keeps the
-    # s x s softmax (and, with dropout, its mask and output): Korthikanti's 5as/h term.
+    # s x s softmax (and, with dropout, its mask and output): Korthikanti's 5as/h term; math: SDPA's
+    # math backend on a CPU, in fp32 (our engine where the CPU flash kernel cannot run the dtype).
     attention: str = "flash"
     dropout: bool = False  # dropout after attention and MLP keeps a 1-byte mask each (Megatron's GPT)
     fused_swiglu: bool = False  # a fused SwiGLU keeps gate, up and the product (3f), recomputing silu
@@ -131,9 +132,19 @@ def _attention_terms(shape, spec: ActivationSpec) -> list[tuple[str, float, str]
             out += [("q_norm " + n, v, r) for n, v, r in _in_region(_norm(shape, spec, shape.q_dim, a), "tp")]
             out += [("k_norm " + n, v, r)
                     for n, v, r in _in_region(_norm(shape, spec, shape.k_dim, shape.kv_heads), kv_region)]
-        out += [("q after RoPE", b * shape.q_dim, "tp"), ("k after RoPE", b * shape.k_dim, kv_region),
-                ("v", b * shape.v_dim, kv_region)]
-    if spec.attention == "eager":
+        if spec.attention == "math":
+            # SDPA's math backend on a CPU (the engine's kernel where torch's CPU flash kernel cannot run
+            # the dtype, parallel/precision.py): it upcasts to fp32 and repeats k and v to every query head,
+            # so its two matmuls keep the scaled q, k and v in fp32 at the query heads' width.
+            out += [("q scaled (fp32, SDPA math)", 4 * shape.q_dim, "tp"),
+                    ("k repeated to every head (fp32)", 4 * shape.q_dim, "tp"),
+                    ("v repeated to every head (fp32)", 4 * shape.attn_out_dim, "tp")]
+        else:
+            out += [("q after RoPE", b * shape.q_dim, "tp"), ("k after RoPE", b * shape.k_dim, kv_region),
+                    ("v", b * shape.v_dim, kv_region)]
+    if spec.attention == "math":
+        out.append(("attention softmax (fp32)", 4 * a * spec.seq_len, "tp"))  # the scores' softmax, every key
+    elif spec.attention == "eager":
         # Per query token, one score per head and key: the softmax output (b), with dropout its
         # 1-byte mask and its output (b): 5·a·s bytes in 16-bit, all recomputed under selective.
         s = spec.seq_len
@@ -302,6 +313,9 @@ def layer_bytes(shape, spec: ActivationSpec, tokens: int, recompute: str | None 
     if recompute == "selective" and spec.selective == "op" and not shape.is_moe:
         return sum(tokens * per_token / divisor(region, spec) for _, per_token, region in op_policy_terms(shape, spec))
     total = 0.0
+    if recompute == "selective" and spec.attention == "math":
+        # The core is recomputed whatever its kernel: what survives is its inputs, as under flash.
+        spec = replace(spec, attention="flash")
     for name, per_token, region in layer_terms(shape, spec, moe):
         if recompute == "selective":
             # The attention core is recomputed: its logsumexp (and what a context-parallel core adds)

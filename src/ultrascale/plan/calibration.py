@@ -46,7 +46,7 @@ class Framework:
     pipeline_sync_factor: float = 1.0
     help: str = ""
     # -- more implementation facts (activations.ActivationSpec) ----------------
-    attention: str = "flash"  # flash | eager (keeps the s x s softmax)
+    attention: str = "flash"  # flash | eager (keeps the s x s softmax) | math (SDPA's math backend, fp32)
     # Context parallelism's block attention (ring, zig-zag, all-gather): "eager" where each block's
     # scores are built and softmaxed in memory, then merged; "flash" where a fused kernel returns each
     # block's log-sum-exp (our engine on the CPU: parallel/context/blocks.py).
@@ -120,6 +120,17 @@ FRAMEWORKS = {
 # What `ultrascale plan` assumes when no --framework is given: Megatron-LM's kernels and pipeline,
 # no constant fitted on one cluster alone (checked against published runs: plan/published.py).
 DEFAULT_FRAMEWORK = "megatron"
+
+
+def engine_here(dtype: str) -> Framework:
+    """Our engine's framework as it runs on this machine in `dtype`: SDPA's math backend where torch's CPU
+    flash kernel cannot run the dtype (parallel/precision.choose_attention_kernel makes the same choice)."""
+    import dataclasses
+
+    from ultrascale.parallel.precision import flash_attention_fails_here
+
+    fw = FRAMEWORKS["ultrascale"]
+    return dataclasses.replace(fw, attention="math") if flash_attention_fails_here(dtype) else fw
 
 
 def get_framework(name: str) -> Framework:

@@ -98,7 +98,7 @@ def activation_spec(lay, fw: Framework, shape=None) -> act.ActivationSpec:
 
 def _engine_exact(shape, lay, fw) -> bool:
     """Configurations our engine runs today, planned with its own framework: replayed exactly."""
-    return (fw.kernels == "eager" and fw.partition == "even" and fw.attention == "flash" and not fw.dropout
+    return (fw.kernels == "eager" and fw.partition == "even" and fw.attention in ("flash", "math") and not fw.dropout
             and not fw.fused_swiglu and lay.ep == 1 and not shape.is_moe
             and lay.precision in ENGINE_PRECISION.values())
 

@@ -409,7 +409,8 @@ def run_in_process(nb, timeout: float = 300, cwd: str | None = None, gpu: bool |
                    exercises: bool = True, keep_going: bool = False, grade: bool = False) -> RunReport:
     """`run_notebook` in an IPython shell of this process instead of a kernel (_Shell): what the test suite
     runs the course's notebooks with. The process's state a notebook may change (the working directory,
-    torch's random generators and threads, the environment, matplotlib's figures) is put back after it."""
+    torch's random generators and threads, its flash-attention switch, the environment, matplotlib's
+    figures) is put back after it."""
     import nbformat
     import torch
 
@@ -418,7 +419,11 @@ def run_in_process(nb, timeout: float = 300, cwd: str | None = None, gpu: bool |
     report = RunReport()
     start = time.perf_counter()
     here, environ, threads = os.getcwd(), dict(os.environ), torch.get_num_threads()
+    flash = torch.backends.cuda.flash_sdp_enabled()
     os.environ["MPLBACKEND"] = "Agg"
+    # As a fresh kernel starts: torch's flash attention on (a bf16 run of this process may have switched
+    # it off process-wide, parallel/precision.choose_attention_kernel), so a cell's own SDPA is a kernel's.
+    torch.backends.cuda.enable_flash_sdp(True)
     try:
         with torch.random.fork_rng(devices=[]):
             if cwd:
@@ -429,6 +434,7 @@ def run_in_process(nb, timeout: float = 300, cwd: str | None = None, gpu: bool |
         os.environ.clear()
         os.environ.update(environ)
         torch.set_num_threads(threads)
+        torch.backends.cuda.enable_flash_sdp(flash)
         if "matplotlib.pyplot" in sys.modules:
             sys.modules["matplotlib.pyplot"].close("all")
     report.seconds = time.perf_counter() - start
