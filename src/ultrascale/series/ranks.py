@@ -23,6 +23,7 @@ a rank comes back as the same exception type in the notebook, so a check can tel
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dis
 import inspect
 import pickle
@@ -206,6 +207,16 @@ def _unpack(obj, namespace):
     return obj
 
 
+@contextlib.contextmanager
+def _flash_back(enabled: bool):
+    import torch
+
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_flash_sdp(enabled)
+
+
 def _call_on_rank(payload: bytes, status_dir: str):
     """On each rank: define the notebook's functions, call, and report the outcome (and the
     torch.distributed calls made) as data."""
@@ -215,10 +226,16 @@ def _call_on_rank(payload: bytes, status_dir: str):
 
     from ultrascale.series.watch import unwaited, watching
 
+    import torch
+
     namespace = {"__name__": "__notebook__"}
+    # A pooled rank is a fresh process to each call: torch's flash switch on, as it starts, whatever an
+    # earlier bf16 task of this process chose (parallel/precision.choose_attention_kernel), and put back.
+    flash = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(True)
     # Watched from before the functions are defined: a `from torch.distributed import all_reduce`
     # in the notebook binds the watched function.
-    with watching(os.path.join(status_dir, f"rank{dist.get_rank()}")) as record:
+    with watching(os.path.join(status_dir, f"rank{dist.get_rank()}")) as record, _flash_back(flash):
         try:
             fn, args, kwargs = pickle.loads(payload)
             fn = _unpack(fn, namespace)
