@@ -132,10 +132,10 @@ def settings_line(cfg) -> str | None:
             if key == "model":
                 shown.insert(0, f"the model ({cfg.model.name}, {_plural(cfg.model.layers, 'layer')}, hidden "
                                 f"{cfg.model.hidden})")
-            elif key.startswith("model."):
-                shown.append(_setting(cfg, key))
-            elif source.startswith("--resume") and getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) \
-                    == default[key.split(".")[0]].get(key.split(".")[1]):
+                continue
+            section, name = key.split(".")
+            if (source.startswith("--resume") and section in default
+                    and getattr(getattr(cfg, section), name) == default[section].get(name)):
                 same += 1
             else:
                 shown.append(_setting(cfg, key))

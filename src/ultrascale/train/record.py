@@ -56,10 +56,8 @@ class RunRecord:
         return self.config.to_dict()
 
     def to_json(self) -> dict:
-        return {"format": self.format, "step": self.step, "optimizer_steps": self.optimizer_steps,
-                "world_size": self.world_size, "files": self.files, "config": self.settings,
-                "tokenizer": self.tokenizer, "data": self.data, "router_bias": self.router_bias,
-                "loss_scale": self.loss_scale}
+        """Every field as it is, the configuration as its sections: what meta.json holds."""
+        return {**{name: getattr(self, name) for name in _FIELDS}, "config": self.settings}
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(RunRecord))

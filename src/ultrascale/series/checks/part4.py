@@ -699,13 +699,15 @@ def _written_back(results, names, want) -> None:
                 f"write each parameter's own slice back (offsets in bucket order)")
 
 
+_EMPTY_BUCKET = ("the first gradient backward produces is already larger than the cap, and the still-empty "
+                 "bucket was closed before it; start a new bucket only when the current one holds something")
+
+
 def _no_empty_bucket(got, mine, cap) -> None:
     empty = [k + 1 for k, c in enumerate(mine) if c.bytes == 0] if got is None else [
         k + 1 for k, b in enumerate(got) if not b]
-    assert not empty, (
-        f"all-reduce call {empty[0]} carries no elements (cap_numel = {cap}): an empty bucket. The first "
-        f"gradient backward produces is already larger than the cap, and the still-empty bucket was closed "
-        f"before it; start a new bucket only when the current one holds something")
+    assert not empty, (f"all-reduce call {empty[0]} carries no elements (cap_numel = {cap}): an empty bucket. "
+                       f"The {_EMPTY_BUCKET}")
 
 
 def exercise_2(fn, caps=(300, 272, 100, 2), seed=3):
@@ -723,10 +725,8 @@ def exercise_2(fn, caps=(300, 272, 100, 2), seed=3):
             results = on_ranks(WORLD, _ex2_on_rank, fn, cap, seed, samples, calls=calls)
         except RankError as e:
             if "non-empty list of Tensors" in str(e):  # torch.cat of an empty bucket
-                raise AssertionError(
-                    f"torch.cat was given an empty bucket (cap_numel = {cap}): the first gradient backward "
-                    f"produces is already larger than the cap, and the still-empty bucket was closed before it; "
-                    f"start a new bucket only when the current one holds something") from None
+                raise AssertionError(f"torch.cat was given an empty bucket (cap_numel = {cap}): "
+                                     f"{_EMPTY_BUCKET}") from None
             raise
         for rank, r in enumerate(results):
             require_finite(r["grads"], f"rank {rank}'s gradients after bucketed_all_reduce (cap_numel = {cap})")
