@@ -72,6 +72,8 @@ WRONG = [  # (exercise, label, what the check must say, answer source)
             keep[rows[capacity:], slots[capacity:]] = False
     return expert_idx, weights, keep
 '''),
+    (1, "k written as 2", "with k = 3, expert_idx and weights should be [tokens, k] = [24, 3]",
+     _route(_RENORMALISED).replace("scores.topk(k, dim=-1)", "scores.topk(2, dim=-1)")),
     (1, "capacity without k", "capacity counts assignments",
      _route(_RENORMALISED, capacity="math.ceil(capacity_factor * tokens / experts)")),
     (1, "capacity rounded down", "round up",
@@ -98,7 +100,7 @@ def route(logits, k, capacity_factor):
     return expert_idx, weights, torch.ones_like(expert_idx, dtype=torch.bool)
 '''),
     # Only the kept assignments get a weight; the dropped ones keep torch.empty's garbage (NaN here, every run).
-    (1, "weights only where kept", "a NaN or an infinity in your weights with capacity factor", _ROUTE_HEAD + '''
+    (1, "weights only where kept", "a NaN or an infinity in your weights with k = 2 and capacity factor", _ROUTE_HEAD + '''
     keep = torch.ones_like(expert_idx, dtype=torch.bool)
     if capacity_factor:
         capacity = math.ceil(capacity_factor * tokens * k / experts)
@@ -194,6 +196,27 @@ def dispatch(tokens, expert_idx, n_experts, expert_forward):
     order = torch.argsort(expert_idx, stable=True)
     per_expert = torch.bincount(expert_idx, minlength=n_experts)
     received, from_rank = exchange(tokens[order], per_expert[:world].tolist())
+    split, _ = exchange(per_expert.view(world, local), [1] * world)
+''' + _RUN_EXPERTS.format(expert="rank * local + j") + _SEND_HOME),
+    # The counts of the ranks present, not of every rank: rank 1 sends nothing to rank 2.
+    (2, "send counts from unique", "one entry per rank, 0 included", '''
+def dispatch(tokens, expert_idx, n_experts, expert_forward):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = n_experts // world
+    order = torch.argsort(expert_idx, stable=True)
+    per_expert = torch.bincount(expert_idx, minlength=n_experts)
+    _, to_rank = torch.unique(expert_idx // local, return_counts=True)
+    received, from_rank = exchange(tokens[order], to_rank.tolist())
+    split, _ = exchange(per_expert.view(world, local), [1] * world)
+''' + _RUN_EXPERTS.format(expert="rank * local + j") + _SEND_HOME),
+    # bincount as long as the highest expert used: rank 2 routes nothing to expert 7.
+    (2, "bincount without minlength", "pass minlength=n_experts", '''
+def dispatch(tokens, expert_idx, n_experts, expert_forward):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = n_experts // world
+    order = torch.argsort(expert_idx, stable=True)
+    per_expert = torch.bincount(expert_idx)
+    received, from_rank = exchange(tokens[order], per_expert.view(world, local).sum(1).tolist())
     split, _ = exchange(per_expert.view(world, local), [1] * world)
 ''' + _RUN_EXPERTS.format(expert="rank * local + j") + _SEND_HOME),
     # The rows sent home added into an uninitialised buffer (torch.empty, not zeros; NaN here, every run).

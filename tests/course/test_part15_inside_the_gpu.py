@@ -212,6 +212,24 @@ def flash_attention_forward(q, k, v, block):
         acc = acc + p @ v[start:start + block]
     return acc / row_sum
 '''),
+    # The same two passes over a copy of K, and over blocks copied one by one: K is read twice all the same.
+    (1, "two passes over a copy of the keys", "reads every block of K twice", '''
+def flash_attention_forward(q, k, v, block):
+    scale = q.shape[-1] ** -0.5
+    keys = k.clone()
+    row_max = torch.full((q.shape[0], 1), float("-inf"))
+    for start in range(0, keys.shape[0], block):  # first pass: the max of every row
+        s = (q @ keys[start:start + block].T) * scale
+        row_max = torch.maximum(row_max, s.max(dim=-1, keepdim=True).values)
+    row_sum = torch.zeros(q.shape[0], 1)
+    acc = torch.zeros(q.shape[0], v.shape[-1])
+    for start in range(0, keys.shape[0], block):  # second pass: no rescaling needed
+        k_blk = keys[start:start + block].to(torch.float64).float()
+        p = torch.exp((q @ k_blk.T) * scale - row_max)
+        row_sum = row_sum + p.sum(dim=-1, keepdim=True)
+        acc = acc + p @ v[start:start + block]
+    return acc / row_sum
+'''),
     (1, "whole score matrix", "your code formed a [8, 64] tensor", '''
 def flash_attention_forward(q, k, v, block):
     scores = (q @ k.T) * q.shape[-1] ** -0.5
@@ -219,6 +237,8 @@ def flash_attention_forward(q, k, v, block):
 '''),
     (2, "matmul FLOPs without the add", "2*m*k*n FLOPs",
      _roofline("flops, moved = m * k * n, (m * k + k * n + m * n) * nbytes", _ADD)),
+    (2, "a square matmul's counts", "you counted a square 1024 x 1024 x 1024 matmul",
+     _roofline("flops, moved = 2 * m ** 3, 3 * m * m * nbytes", _ADD)),
     (2, "output bytes forgotten", "you counted the inputs' bytes but not the output's",
      _roofline("flops, moved = 2 * m * k * n, (m * k + k * n) * nbytes", _ADD)),
     (2, "only the weights' bytes", "you counted only B [k, n]",
@@ -253,6 +273,24 @@ def roofline(kind, shape, dtype, peak_flops, bandwidth):
 ]
 
 RIGHT = [  # (exercise, label, answer source): unusual but right
+    # Each block copied to float64 once, its copies freed as it goes: one product per block of K.
+    (1, "each block copied to float64", '''
+def flash_attention_forward(q, k, v, block):
+    q64, scale = q.double(), q.shape[-1] ** -0.5
+    row_max = torch.full((q.shape[0], 1), float("-inf"), dtype=torch.float64)
+    row_sum = torch.zeros(q.shape[0], 1, dtype=torch.float64)
+    acc = torch.zeros(q.shape[0], v.shape[-1], dtype=torch.float64)
+    for start in range(0, k.shape[0], block):
+        k_blk, v_blk = k[start:start + block].double().contiguous(), v[start:start + block].double()
+        s = (q64 @ k_blk.T) * scale
+        new_max = torch.maximum(row_max, s.max(dim=-1, keepdim=True).values)
+        p = torch.exp(s - new_max)
+        c = torch.exp(row_max - new_max)
+        row_sum = row_sum * c + p.sum(dim=-1, keepdim=True)
+        acc = acc * c + p @ v_blk
+        row_max = new_max
+    return (acc / row_sum).float()
+'''),
     (1, "normalised output updated every block", '''
 def flash_attention_forward(q, k, v, block):
     scale = q.shape[-1] ** -0.5

@@ -31,6 +31,9 @@ def ring(old, new):
 
 
 WRONG = [  # (exercise, label, what the check must say, answer source)
+    # The step count of the notebook's 4 ranks written in: right there, one step too many on 3.
+    (2, "3 steps written in", "a ring all-reduce sends 2(N-1) = 4", ring("for step in range(world - 1):",
+                                                                       "for step in range(3):")),
     # A request left unwaited passes or fails by the timing (gloo sends a small chunk at once): named every time.
     (2, "the isend's request never waited for", "the request of isend to rank", ring(
         "exchange(chunks[out], buf, right, left)", '''sending = dist.isend(chunks[out], right)

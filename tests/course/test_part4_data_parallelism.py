@@ -204,6 +204,42 @@ def overlapped_data_parallel(model, x, y, loss_fn):
     for p in model.parameters():
         p.grad.div_(world)
 ''')),
+    # The division raced with the reduction: whether it lands before or after is the timing's.
+    (1, "divides while the all-reduce is in flight", "changed in place (div_, mul_, ...) while their asynchronous",
+     _hooked('''
+    def on_grad_ready(p):
+        pending.append(dist.all_reduce(p.grad, async_op=True))
+        p.grad.div_(world)
+''')),
+    # Hooks on the weights only: the biases keep each rank's own gradient.
+    (1, "hooks on the weights only", "were never all-reduced", _HEAD + '''
+    def on_grad_ready(p):
+        p.grad.div_(world)
+        pending.append(dist.all_reduce(p.grad, async_op=True))
+
+    handles = [p.register_post_accumulate_grad_hook(on_grad_ready) for p in model.parameters() if p.dim() > 1]
+    loss_fn(model(x), y).backward()
+    for work in pending:
+        work.wait()
+    for h in handles:
+        h.remove()
+'''),
+    # Imported by name before the check wraps torch.distributed: the name in the answer's globals is wrapped too.
+    (1, "blocking all_reduce imported by name", "each all-reduce blocks", '''
+from torch.distributed import all_reduce
+
+def overlapped_data_parallel(model, x, y, loss_fn):
+    world = dist.get_world_size()
+
+    def on_grad_ready(p):
+        p.grad.div_(world)
+        all_reduce(p.grad)
+
+    handles = [p.register_post_accumulate_grad_hook(on_grad_ready) for p in model.parameters()]
+    loss_fn(model(x), y).backward()
+    for h in handles:
+        h.remove()
+'''),
     (1, "never waits", "never waited for", _hooked('''
     def on_grad_ready(p):
         p.grad.div_(world)
@@ -430,6 +466,19 @@ def bucketed_all_reduce(params, cap_numel):
 ]
 
 RIGHT = [  # (exercise, label, answer source): unusual but right
+    # The rule's buckets, each flattened in forward order (reversed again inside): the same buckets, the
+    # same all-reduces, each gradient copied back from where it was put.
+    (2, "each bucket flattened in forward order", _BUCKETS + '''
+    for bucket in buckets:
+        inside = bucket[::-1]
+        flat = torch.cat([p.grad.reshape(-1) for p in inside])
+        flat.div_(world)
+        dist.all_reduce(flat)
+        offset = 0
+        for p in inside:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+'''),
     (1, 'waited through futures (torch.futures.wait_all)', '''
 def overlapped_data_parallel(model, x, y, loss_fn):
     world = dist.get_world_size()

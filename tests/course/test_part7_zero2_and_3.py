@@ -189,12 +189,16 @@ def comm_bytes_per_rank(stage, psi, n, micro_batches=1, param_bytes=2, grad_byte
      ring_formula(stage0="micro_batches * 2 * ring * grads")),
     (2, "ZeRO-3 ignores the kept root unit", "that is what psi_kept is for",
      ring_formula(stage3="micro_batches * ring * (2 * params + grads)")),
-    (2, "ZeRO-3 left as NaN", "a NaN or an infinity in your count for ZeRO-3 with 1 micro-batch",
+    (2, "ZeRO-3 left as NaN", "a NaN or an infinity in your count for ZeRO-3 on 2 ranks with 1 micro-batch",
      ring_formula(stage3='float("nan")  # TODO: ZeRO-3')),
     (2, "DP's all-reduce counted as one ring phase", "an all-reduce is a reduce-scatter then an all-gather",
      ring_formula(stage0="ring * grads")),
     (2, "ZeRO-3 once per step, not per micro-batch", "multiply by the number of micro-batches",
      ring_formula(stage3="ring * (2 * params - param_bytes * psi_kept + grads)")),
+    # The ring's factors as the numbers they are on 2 ranks: right there, 1.5x and 0.75x off on 4.
+    (2, "the ring's factors written for 2 ranks", "the ring's factors depend on N",
+     ring_formula(stage0="grads", stage1="(grads + params) / 2", stage2="(micro_batches * grads + params) / 2",
+                  stage3="micro_batches * (2 * params - param_bytes * psi_kept + grads) / 2")),
     (2, "ZeRO-1 all-gathers the parameters in gradient bytes", "all-gather the updated parameters (param_bytes each)",
      ring_formula(stage1="ring * 2 * grads", stage2="ring * (micro_batches + 1) * grads")),
 ]

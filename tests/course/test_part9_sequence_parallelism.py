@@ -200,6 +200,9 @@ def activation_bytes_per_rank(cfg, b, s, t, sp):
     inside = (2 * (2 * h + 2 * kv) + 2 * a + 8 * f) / t
     return b * s * (norms + norm_outputs + inside)
 '''),
+    # A 2 where t belongs: right on 2 ranks, and on 1 where t = 1 divides nothing anyway.
+    (2, "2 written for t", "write t where you wrote 2",
+     _act(norms="(2 if sp and t > 1 else 1)", inside="(2 if t > 1 else 1)")),
     (2, "k and v as wide as q", "key/value heads of", _act().replace("kv = cfg.kv_heads * (h // a)", "kv = h")),
     (2, "no logsumexp", "forgot the fp32 logsumexp", _act().replace(" + 4 * a + ", " + ")),
     (2, "bytes per token", "multiply by b * s", _act().replace("return b * s * (", "return (")),

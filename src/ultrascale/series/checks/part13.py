@@ -14,6 +14,7 @@ all-gather of every token, gives the right values and is said by name.
 from __future__ import annotations
 
 import math
+import re
 
 from ultrascale.series.checks import on_ranks, require_finite
 
@@ -56,29 +57,30 @@ def _as_sets(idx, weights):
     return [{int(e): float(w) for e, w in zip(row_i, row_w)} for row_i, row_w in zip(idx.tolist(), weights.tolist())]
 
 
-def _check_weights(logits, idx, weights, want_idx, want_w):
+def _check_weights(logits, idx, weights, want_idx, want_w, k):
     """The chosen experts and their weights, each known mistake named."""
     got_sets, want_sets = _as_sets(idx, weights), _as_sets(want_idx, want_w)
     if [set(s) for s in got_sets] != [set(s) for s in want_sets]:
-        raise AssertionError("the chosen experts are not each token's k highest scores: take topk of the "
-                             "router's softmax over experts, per token (dim=-1)")
+        raise AssertionError(f"with k = {k} the chosen experts are not each token's k highest scores: take "
+                             f"topk(k) of the router's softmax over experts, per token (dim=-1)")
 
     def near(got, want):  # not `any(... > 1e-5)`: NaN > x is False
         return all(abs(got[e] - want[e]) <= 1e-5 for e in got)
 
+    right = all(near(g, w) for g, w in zip(got_sets, want_sets))
     raw = _as_sets(want_idx, logits.double().softmax(-1).gather(1, want_idx))
-    if all(near(g, r) for g, r in zip(got_sets, raw)) and not all(near(g, w) for g, w in zip(got_sets, want_sets)):
+    if all(near(g, r) for g, r in zip(got_sets, raw)) and not right:
         raise AssertionError("the weights are the raw softmax scores of the chosen experts: renormalise "
                              "them to sum to 1 over the k chosen experts")
-    sig = logits.double().sigmoid().gather(1, want_idx)
+    sig = logits.double().sigmoid().gather(1, want_idx)  # with k = 1 every weight is 1, sigmoid or not
     sigmoid = _as_sets(want_idx, sig / sig.sum(-1, keepdim=True))
-    if all(near(g, s) for g, s in zip(got_sets, sigmoid)):
+    if all(near(g, s) for g, s in zip(got_sets, sigmoid)) and not right:
         raise AssertionError("the weights are the chosen experts' sigmoid scores, renormalised: this router scores "
                              "with a softmax over the experts (DeepSeek-V3's sigmoid per expert is another router)")
     for t, (got, want) in enumerate(zip(got_sets, want_sets)):
         if not near(got, want):
-            raise AssertionError(f"token {t}'s weights {got} should be {want}: the chosen experts' softmax "
-                                 f"scores, divided by their sum")
+            raise AssertionError(f"with k = {k}, token {t}'s weights {got} should be {want}: the k chosen "
+                                 f"experts' softmax scores, divided by their sum")
 
 
 def _check_capacity(factor, k, idx, keep, want_idx, want_w, chosen):
@@ -124,22 +126,25 @@ def exercise_1(route):
     g = torch.Generator().manual_seed(13)
     logits = torch.randn(24, EXPERTS, generator=g) * 2
     logits[:, 0] += 1.5  # a popular expert, so capacity bites
-    k = 2
-    idx, weights, keep = route(logits.clone(), k, 0.0)
-    require_finite(weights, "your weights")
-    want_idx, want_w, _ = _route_reference(logits, k, 0.0)
-    assert tuple(idx.shape) == (24, k) and tuple(weights.shape) == (24, k), (
-        f"expert_idx and weights should be [tokens, k] = [24, {k}], got {tuple(idx.shape)} and {tuple(weights.shape)}")
-    _check_weights(logits, idx, weights, want_idx, want_w)
-    assert keep.dtype == torch.bool and bool(keep.all()), \
-        "with capacity_factor 0 (dropless) every assignment is kept: keep should be all True"
-    chosen = logits.double().softmax(-1).gather(1, want_idx)
-    # 1.25 makes F * T * k / E fractional (7.5): rounding down shows.
-    for factor in (1.0, 1.25, 1.5):
-        idx, weights, keep = route(logits.clone(), k, factor)
-        # Dropped assignments keep their weight too: a NaN there poisons the output even times a 0.
-        require_finite(weights, f"your weights with capacity factor {factor}")
-        _check_capacity(factor, k, idx, keep, want_idx, want_w, chosen)
+    # k = 2 first (where the raw scores differ from the renormalised ones), then 3 and 1: a k written as a number,
+    # or weights renormalised over another count, shows. 1.25 makes F * T * k / E fractional (7.5, 11.25, 3.75):
+    # rounding down shows.
+    for k in (2, 3, 1):
+        idx, weights, keep = route(logits.clone(), k, 0.0)
+        require_finite(weights, f"your weights with k = {k}")
+        want_idx, want_w, _ = _route_reference(logits, k, 0.0)
+        assert tuple(idx.shape) == (24, k) and tuple(weights.shape) == (24, k), (
+            f"with k = {k}, expert_idx and weights should be [tokens, k] = [24, {k}], got {tuple(idx.shape)} and "
+            f"{tuple(weights.shape)}")
+        _check_weights(logits, idx, weights, want_idx, want_w, k)
+        assert keep.dtype == torch.bool and bool(keep.all()), \
+            "with capacity_factor 0 (dropless) every assignment is kept: keep should be all True"
+        chosen = logits.double().softmax(-1).gather(1, want_idx)
+        for factor in (1.0, 1.25, 1.5):
+            idx, weights, keep = route(logits.clone(), k, factor)
+            # Dropped assignments keep their weight too: a NaN there poisons the output even times a 0.
+            require_finite(weights, f"your weights with k = {k} and capacity factor {factor}")
+            _check_capacity(factor, k, idx, keep, want_idx, want_w, chosen)
 
 
 def expert_forward(e, x):
@@ -154,13 +159,20 @@ SEED = 130
 
 
 def _dispatch_inputs(seed, rank):
-    """Rank `rank`'s tokens [T, h] and their experts [T] (every rank sends to the last rank's experts)."""
+    """Rank `rank`'s tokens [T, h] and their experts [T]. Every rank sends to the last rank, rank 1 sends
+    nothing to rank 2 (a send count of 0: counts read off the experts present, `unique`, come out short) and
+    rank 2 routes nothing to the last expert (a `bincount` without `minlength` comes out short)."""
     import torch
 
     g = torch.Generator().manual_seed(seed + rank)
     tokens = torch.randn(TOKENS, HIDDEN, generator=g)
     expert_idx = torch.randint(0, EXPERTS, (TOKENS,), generator=g)
     expert_idx[0] = EXPERTS - 1
+    local = EXPERTS // WORLD
+    if rank == 1:
+        expert_idx[expert_idx // local == 2] -= 2 * local
+    if rank == 2:
+        expert_idx[expert_idx == EXPERTS - 1] = EXPERTS - 2
     return tokens, expert_idx
 
 
@@ -200,6 +212,20 @@ def _run_dispatch(dispatch, calls):
         return on_ranks(WORLD, _dispatch_case, dispatch, SEED, timeout=60, calls=calls)
     except RankError as e:
         first = str(e).splitlines()[0]
+        short = re.search(r"is invalid for input of size (\d+)", first)
+        if short and int(short.group(1)) < EXPERTS:
+            raise AssertionError(
+                f"a rank's count table holds {short.group(1)} counts for {EXPERTS} experts ({first[:160]}): "
+                f"torch.bincount counts up to the highest expert present, and rank 2 routes nothing to expert "
+                f"{EXPERTS - 1}; pass minlength=n_experts, so that every expert has its count, 0 included") from None
+        if "died" in str(e):
+            # Gloo aborts a process whose peer sends a message of another size than it posted for.
+            raise AssertionError(
+                f"a rank died during the exchange ({str(e).splitlines()[-1][:120]}): gloo ends a process when a "
+                f"peer sends another number of rows than it expects. Every rank's send counts need one entry per "
+                f"rank, 0 included (rank 1 sends nothing to rank 2): count the tokens per destination rank with "
+                f"torch.bincount(expert_idx // experts_per_rank, minlength=world), and the counts must add up to "
+                f"the rows sent") from None
         if "split" in first.lower() or "invalid tensor size" in first:
             raise AssertionError(
                 f"a rank failed exchanging or splitting rows ({first[:160]}): send_counts[r] is how many of this "

@@ -96,10 +96,25 @@ _MATMULS = ("matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "einsum", "tenso
 def _Watch(m, n, keys):
     """A torch function mode noting whether any op returns an [m, n] (or [n, m]) tensor: the full scores;
     the shape of the first exp() that overflowed to inf (the correction [m, 1], or a block's p); and how
-    many products read the keys (views of `keys` share its storage): once per block in one pass."""
+    many products read the keys: once per block in one pass. The keys are followed through views (they share
+    its storage) and through whatever else is made of them but a product (a clone, a cast, a concatenation),
+    so a second pass over a copy of K is counted too; what is made of them is held, so that its storage is
+    not reused by an unrelated tensor."""
+    import torch
     from torch.overrides import TorchFunctionMode
 
-    storage = keys.untyped_storage().data_ptr()
+    made_of_keys = {keys.untyped_storage().data_ptr()}
+    held = []
+
+    def tensors(args):
+        for a in args:
+            if torch.is_tensor(a):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                yield from (x for x in a if torch.is_tensor(x))
+
+    def reads_keys(args):
+        return any(t.untyped_storage().data_ptr() in made_of_keys for t in tensors(args))
 
     class Watch(TorchFunctionMode):
         full = False
@@ -112,11 +127,16 @@ def _Watch(m, n, keys):
 
             Watch.called = Watch.called | {getattr(func, "__name__", "")}
 
-            if getattr(func, "__name__", "") in _MATMULS and any(
-                    torch.is_tensor(a) and a.untyped_storage().data_ptr() == storage
-                    for a in (list(args) + [x for a in args if isinstance(a, (list, tuple)) for x in a])):
+            product = getattr(func, "__name__", "") in _MATMULS
+            from_keys = reads_keys(args)
+            if product and from_keys:
                 Watch.key_reads += 1
             out = func(*args, **(kwargs or {}))
+            if from_keys and not product:  # a copy of (part of) K: its products read K too
+                for t in tensors(out if isinstance(out, (list, tuple)) else (out,)):
+                    if t.untyped_storage().data_ptr():
+                        made_of_keys.add(t.untyped_storage().data_ptr())
+                        held.append(t)
             shape = tuple(getattr(out, "shape", ()))
             if len(shape) >= 2 and shape[-2:] in ((m, n), (n, m)):
                 Watch.full = True
@@ -307,6 +327,14 @@ def exercise_2(roofline):
         want_ai, want_bound, flops, moved, b = _expected(kind, shape, dtype, peak, bw)
         what = f"{kind} {shape} in {dtype} on peak {peak:.3g} FLOP/s, {bw:.3g} B/s"
         if not math.isclose(float(ai), want_ai, rel_tol=1e-6):
+            # One of the sizes taken for all three (the square n x n x n matmul's 2n^3 / 3n^2 b = 2n / 3b).
+            square = [d for d in dict.fromkeys(shape) if kind == "matmul" and len(set(shape)) > 1
+                      and math.isclose(float(ai), 2 * d / (3 * b), rel_tol=1e-6)]
+            if square:
+                raise AssertionError(f"{what}: intensity {float(ai):.4g} FLOP/byte, expected {want_ai:.4g}: you "
+                                     f"counted a square {square[0]} x {square[0]} x {square[0]} matmul; this one is "
+                                     f"m x k x n = {' x '.join(map(str, shape))}: 2*m*k*n FLOPs over "
+                                     f"(m*k + k*n + m*n) elements")
             for wrong, wrong_ai in _miscounts(kind, shape, b):
                 if math.isclose(float(ai), wrong_ai, rel_tol=1e-6):
                     raise AssertionError(f"{what}: intensity {float(ai):.4g} FLOP/byte, expected {want_ai:.4g}: "

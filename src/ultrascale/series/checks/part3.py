@@ -183,11 +183,11 @@ def _ring_on_rank(fn, numel, seed):
             "returned": returned.detach().clone() if torch.is_tensor(returned) else None}
 
 
-def _run_ring(fn, numel, seed):
-    """Each rank's results and the torch.distributed calls it made."""
+def _run_ring(fn, numel, seed, world=WORLD):
+    """Each rank's results and the torch.distributed calls it made, on `world` ranks."""
     calls = []
     try:
-        results = on_ranks(WORLD, _ring_on_rank, fn, numel, seed, timeout=RING_TIMEOUT, calls=calls)
+        results = on_ranks(world, _ring_on_rank, fn, numel, seed, timeout=RING_TIMEOUT, calls=calls)
     except AssertionError as e:
         if not str(e).startswith("deadlock"):
             raise
@@ -197,7 +197,7 @@ def _run_ring(fn, numel, seed):
             # waits for ever, after its sender has moved on.
             raise AssertionError(
                 f"{where}. Its sender sent a message of another size: with {numel} elements the chunks of "
-                f"t.tensor_split({WORLD}) differ in size, so give each receive buffer the shape of the chunk it "
+                f"t.tensor_split({world}) differ in size, so give each receive buffer the shape of the chunk it "
                 f"receives (torch.empty_like(chunks[into]))") from None
         raise AssertionError(
             f"{where}. A blocking dist.send (or recv) waits for its partner: when every "
@@ -205,25 +205,33 @@ def _run_ring(fn, numel, seed):
             f"dist.isend, then recv from the left, then wait on the send (the exchange helper)") from None
     except RankError as e:
         first = str(e).splitlines()[0]
+        if "did not finish" in first and world != WORLD:
+            raise AssertionError(
+                f"your ring ran on {WORLD} ranks and did not finish on {world} within {RING_TIMEOUT:.0f} s: take N "
+                f"from dist.get_world_size(), and the neighbours, the chunks and the 2(N-1) steps from N") from None
         if "did not finish" in first:
             raise AssertionError(
-                f"the ring did not finish within {RING_TIMEOUT:.0f} s on {WORLD} ranks: every send needs the "
+                f"the ring did not finish within {RING_TIMEOUT:.0f} s on {world} ranks: every send needs the "
                 f"matching recv on the neighbour - each step, send to the right and receive from the left "
                 f"(isend, then recv, then wait)") from None
         if "index out of range" in first:
             import torch
 
-            pieces = [len(c) for c in torch.arange(numel).chunk(WORLD)]
+            pieces = [len(c) for c in torch.arange(numel).chunk(world)]
             raise AssertionError(
-                f"with a tensor of {numel} elements on {WORLD} ranks your ring failed: {first}. t.chunk(N) can give "
+                f"with a tensor of {numel} elements on {world} ranks your ring failed: {first}. t.chunk(N) can give "
                 f"fewer than N pieces ({numel} elements: {pieces}); t.tensor_split(N) always gives N, their sizes "
                 f"differing by one at most") from None
         if "invalid for input of size" in first:
             raise AssertionError(
-                f"with a tensor of {numel} elements on {WORLD} ranks your ring failed: {first}. A view of N equal "
+                f"with a tensor of {numel} elements on {world} ranks your ring failed: {first}. A view of N equal "
                 f"rows needs a length that N divides; cut t with t.tensor_split(N), whose chunks may differ in "
                 f"size by one") from None
-        raise AssertionError(f"with a tensor of {numel} elements on {WORLD} ranks your ring failed: {first}. "
+        if world != WORLD:
+            raise AssertionError(
+                f"your ring ran on {WORLD} ranks and failed on {world} ({first}): take N from "
+                f"dist.get_world_size(), and the neighbours, the chunks and the 2(N-1) steps from N") from None
+        raise AssertionError(f"with a tensor of {numel} elements on {world} ranks your ring failed: {first}. "
                              f"The chunks of torch.tensor_split may differ in size: give each receive buffer "
                              f"the shape of the chunk it receives (torch.empty_like(chunks[j]))") from None
     for rank, r in enumerate(results):
@@ -256,6 +264,19 @@ def _peers(calls, nbytes, ring):
     n = len(calls)
     sent = [watch.sent(mine) for mine in calls]
     to = [sorted({c.peer for c in _sends(mine)}) for mine in calls]
+    # Each phase a ring of its own: the reduce-scatter's N - 1 sends one way round, the all-gather's
+    # the same way or the other (the same chunks and bytes, the sum unchanged). First: on 3 ranks the two
+    # ways round reach every other rank, which is no hub.
+    phases = [[_sends(mine)[:n - 1] for mine in calls], [_sends(mine)[n - 1:] for mine in calls]]
+    if n > 2 and all(len(_sends(mine)) == 2 * (n - 1) for mine in calls) and all(
+            any(all({c.peer for c in phase[r]} == {(r + way) % n} for r in range(n)) for way in (1, -1))
+            for phase in phases):
+        for r in range(n):
+            frm = {c.peer for c in _recvs(calls[r]) if c.peer is not None}
+            if not frm <= {(r + 1) % n, (r - 1) % n}:
+                raise AssertionError(f"rank {r} receives from rank(s) {sorted(frm)}: in a ring a rank receives only "
+                                     f"from its neighbours, (rank - 1) % N and (rank + 1) % N")
+        return
     hubs = [r for r in range(n) if to[r] == [p for p in range(n) if p != r]]
     if len(hubs) == 1 and all(to[r] == hubs for r in range(n) if r != hubs[0]):
         hub = hubs[0]
@@ -273,18 +294,6 @@ def _peers(calls, nbytes, ring):
         if not to[r]:
             raise AssertionError(f"rank {r} sent nothing while others did: in a ring every rank sends one chunk "
                                  f"to its right-hand neighbour in each of the 2(N-1) steps")
-    # Each phase a ring of its own: the reduce-scatter's N - 1 sends one way round, the all-gather's
-    # the same way or the other (the same chunks and bytes, the sum unchanged).
-    phases = [[_sends(mine)[:n - 1] for mine in calls], [_sends(mine)[n - 1:] for mine in calls]]
-    if n > 2 and all(len(_sends(mine)) == 2 * (n - 1) for mine in calls) and all(
-            any(all({c.peer for c in phase[r]} == {(r + way) % n} for r in range(n)) for way in (1, -1))
-            for phase in phases):
-        for r in range(n):
-            frm = {c.peer for c in _recvs(calls[r]) if c.peer is not None}
-            if not frm <= {(r + 1) % n, (r - 1) % n}:
-                raise AssertionError(f"rank {r} receives from rank(s) {sorted(frm)}: in a ring a rank receives only "
-                                     f"from its neighbours, (rank - 1) % N and (rank + 1) % N")
-        return
     for way, name in ((1, "right-hand"), (-1, "left-hand")):
         if all(to[r] == [(r + way) % n] for r in range(n)):
             frm = [sorted({c.peer for c in _recvs(mine) if c.peer is not None}) for mine in calls]
@@ -341,8 +350,9 @@ def _coefficients(results, rank, chunk):
     """c with output chunk = sum_k c_k * input_k chunk (least squares), and the relative residual."""
     import torch
 
-    inputs = torch.stack([r["input"].tensor_split(WORLD)[chunk] for r in results], dim=1).double()
-    out = results[rank]["output"].tensor_split(WORLD)[chunk].double()
+    n = len(results)
+    inputs = torch.stack([r["input"].tensor_split(n)[chunk] for r in results], dim=1).double()
+    out = results[rank]["output"].tensor_split(n)[chunk].double()
     c = torch.linalg.lstsq(inputs, out.unsqueeze(1)).solution.squeeze(1)
     resid = (inputs @ c - out).norm().item() / (out.norm().item() or 1.0)
     return [round(v, 3) for v in c.tolist()], resid
@@ -351,7 +361,7 @@ def _coefficients(results, rank, chunk):
 def _diagnose(results):
     """What each rank's t holds, chunk by chunk, as a combination of the ranks' inputs: names the phase
     that went wrong."""
-    n = WORLD
+    n = len(results)
     _unchanged(results)
     table = {(rank, j): _coefficients(results, rank, j) for rank in range(n) for j in range(n)}
     if all(abs(c - 1) < 1e-3 for cs, _ in table.values() for c in cs):
@@ -386,19 +396,20 @@ def _diagnose(results):
 
 def _tail(results, numel):
     """Elements past N x (numel // N) left out of every chunk: the off-by-one of equal-sized slicing."""
-    covered = WORLD * (numel // WORLD)
+    n = len(results)
+    covered = n * (numel // n)
     for r in results:
         wrong = ((r["output"] - r["reference"]).abs() > 1e-5).nonzero().flatten().tolist()
         if wrong and min(wrong) >= covered:
             raise AssertionError(
                 f"with {numel} elements the last {numel - covered} element(s) were never summed: chunks of "
-                f"numel // N = {numel // WORLD} elements cover only {covered}. Cut t with t.tensor_split(N), whose "
-                f"chunks cover every element ({', '.join(str(len(c)) for c in r['input'].tensor_split(WORLD))})")
+                f"numel // N = {numel // n} elements cover only {covered}. Cut t with t.tensor_split(N), whose "
+                f"chunks cover every element ({', '.join(str(len(c)) for c in r['input'].tensor_split(n))})")
 
 
 def _judge(results, calls, numel):
     """How the ring communicated, then what it computed."""
-    n = WORLD
+    n = len(results)
     elem = results[0]["input"].element_size()
     nbytes = numel * elem
     ring = 2 * (n - 1) * nbytes // n
@@ -437,6 +448,8 @@ def exercise_2(ring_all_reduce):
     # and a short one, where t.chunk(N) makes fewer than N pieces (6 elements: 2, 2, 2).
     _judge(*_run_ring(ring_all_reduce, 257, seed=2), 257)
     _judge(*_run_ring(ring_all_reduce, 6, seed=3), 6)
+    # An odd ring, 3 ranks: a world size, a neighbour or a step count written for 4 shows.
+    _judge(*_run_ring(ring_all_reduce, 1000, seed=4, world=3), 1000)
     print(f"Your ring: each of the {n} ranks sent {sent[0]:,} bytes to all-reduce a {nbytes:,}-byte tensor, "
           f"one chunk to its neighbour in each of the 2(N-1) = {2 * (n - 1)} steps; 2(N-1)/N x {nbytes:,} = "
           f"{ring:,} bytes. Same result as dist.all_reduce on every rank.")

@@ -84,6 +84,11 @@ class _Work:
 
     def wait(self, *args, **kwargs):
         self._note["waited"] = True
+        # An in-place change of the tensor since the start (its version counter moved; the network's own
+        # writes do not move it) raced with the reduction.
+        tensor = self._note.get("tensor")
+        if tensor is not None:
+            self._note.setdefault("changed_in_flight", tensor._version != self._note["version"])
         self._note.setdefault("waited_in_backward", _IN_BACKWARD[0] > 0)
         self._note.setdefault("ready_at_wait", _READY[0])
         return self._work.wait(*args, **kwargs)
@@ -98,10 +103,11 @@ class _Work:
 
 
 @contextlib.contextmanager
-def _noting(notes: list, keep_buffers: bool = False):
+def _noting(notes: list, keep_buffers: bool = False, namespace: dict | None = None):
     """Wrap dist.all_reduce: each call notes its place among the rank's watched calls (`index`), whether it
     was asynchronous, whether its Work was waited for, whether its tensor was flat, and (for buckets) a copy
-    of what it sent. A Call says what was sent; this says how it was waited for."""
+    of what it sent. A Call says what was sent; this says how it was waited for. `namespace` is the answer's
+    globals: a name bound there to dist.all_reduce (`from torch.distributed import all_reduce`) is wrapped too."""
     import inspect
 
     import torch.distributed as dist
@@ -112,7 +118,8 @@ def _noting(notes: list, keep_buffers: bool = False):
     signature = inspect.signature(getattr(watched, "__watched__", watched))
 
     def all_reduce(tensor, *args, **kwargs):
-        asynchronous = bool(signature.bind(tensor, *args, **kwargs).arguments.get("async_op", False))
+        given = signature.bind(tensor, *args, **kwargs).arguments
+        asynchronous = bool(given.get("async_op", False))
         note = {"index": len(watch.calls()), "async": asynchronous, "waited": False, "ready_at_start": _READY[0],
                 "flat": tensor.dim() == 1 and tensor.is_contiguous(),
                 "buffer": tensor.detach().clone() if keep_buffers else None}
@@ -120,14 +127,22 @@ def _noting(notes: list, keep_buffers: bool = False):
         work = watched(tensor, *args, **kwargs)
         if asynchronous:
             note["work"] = work
+            if given.get("op", dist.ReduceOp.SUM) != dist.ReduceOp.AVG:
+                # (Where the backend has no AVG, torch divides the sum in place when it arrives, itself.)
+                note["tensor"], note["version"] = tensor, tensor._version
             return _Work(work, note)
         return work
 
+    bound = [k for k, v in (namespace or {}).items() if v is watched]
     dist.all_reduce = all_reduce
+    for k in bound:
+        namespace[k] = all_reduce
     try:
         yield
     finally:
         dist.all_reduce = watched
+        for k in bound:
+            namespace[k] = watched
 
 
 def _settled(notes: list) -> list:
@@ -135,6 +150,7 @@ def _settled(notes: list) -> list:
     nothing crosses into the next check), and keep what pickles."""
     for note in notes:
         work, future = note.pop("work", None), note.pop("future", None)
+        note.pop("tensor", None)
         if future is not None and not note["waited"] and future.done():
             # Waited through its future (torch.futures.wait_all takes no Python hook): done by the return.
             note["waited"] = True
@@ -256,6 +272,13 @@ def _waited(notes: list) -> None:
             f"dist.all_reduce(..., async_op=True) returns and call work.wait() on all of them (after backward, "
             f"before the optimizer step, or before reading a bucket back); until then a gradient may still be "
             f"in flight")
+    changed = [n for n in notes if n.get("changed_in_flight")]
+    if changed:
+        raise AssertionError(
+            f"{len(changed)} of your gradients were changed in place (div_, mul_, ...) while their asynchronous "
+            f"all-reduce was in flight: the network reads and writes that tensor until the Work is waited for, so "
+            f"whether your change lands before or after the reduction is up to the timing. Divide before starting "
+            f"the all-reduce, or after waiting for it")
 
 
 # ---- Exercise 1: overlapped data parallelism with hooks ----------------------------------------
@@ -274,7 +297,7 @@ def _ex1_on_rank(fn, seed: int, samples: int):
     for p in model.parameters():  # registered first, so it runs before the learner's hook on the same p
         p.register_post_accumulate_grad_hook(lambda p: _READY.__setitem__(0, _READY[0] + 1))
     notes, marks, ddp = [], [], []
-    with _noting(notes), _backward_marks(marks), _ddp_noted(ddp):
+    with _noting(notes, namespace=getattr(fn, "__globals__", None)), _backward_marks(marks), _ddp_noted(ddp):
         fn(model, xb, yb, nn.MSELoss())
     # Hooks still registered after the step (beyond the counter above): the next backward would average
     # and all-reduce every gradient again.
@@ -337,6 +360,20 @@ def _one_message_per_gradient(mine: list, sizes: dict) -> None:
         raise AssertionError(
             f"your all-reduces carry {sent} bytes; the gradients hold {sorted(FP32 * s for s in sizes.values())} "
             f"(fp32): all-reduce each p.grad itself, whole")
+
+
+def _every_gradient_reduced(results) -> None:
+    """Some gradients averaged and others still each rank's own: those were never all-reduced."""
+    from ultrascale.series.checks import max_rel_diff
+
+    own = [name for name in results[0]["grads"]
+           if max_rel_diff(results[0]["local"][name], results[1]["local"][name]) > 1e-5  # the ranks' differ
+           and all(max_rel_diff(r["grads"][name], r["local"][name]) < 1e-6 for r in results)]
+    if own and len(own) < len(results[0]["grads"]):
+        raise AssertionError(
+            f"{', '.join(own)} were never all-reduced: every rank still holds its own micro-batch's gradient "
+            f"there, while the others are averaged. Register the hook on every parameter of the model "
+            f"(model.parameters(), the biases included)")
 
 
 def _same_on_every_rank(grads, locals_, ref) -> None:
@@ -463,6 +500,7 @@ def exercise_1(fn, seeds=(1, 2)):
         grads = [_flat(r["grads"]) for r in results]
         locals_ = [_flat(r["local"]) for r in results]
         avg = any(c.op == "AVG" for c in mine)
+        _every_gradient_reduced(results)
         _same_on_every_rank(grads, locals_, _flat(want))
         _the_average(results, want, mine, grads, locals_, avg)
         _overlapped(results, calls, list(sizes))
@@ -541,7 +579,7 @@ def _ex2_on_rank(fn, cap: int, seed: int, samples: int):
     nn.MSELoss()(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
     local = _grads(model)
     notes = []
-    with _noting(notes, keep_buffers=True):
+    with _noting(notes, keep_buffers=True, namespace=getattr(fn, "__globals__", None)):
         fn(list(model.parameters()), cap)
     return {"grads": _grads(model), "local": local, "notes": _settled(notes)}
 
@@ -610,7 +648,9 @@ def _by_the_rule(got, names, sizes, cap) -> None:
                 f"bucket. After the loop, the bucket being filled still holds parameters: reduce it too")
         raise AssertionError(f"{[names[i] for i in missing]} were never all-reduced: every gradient "
                              f"must go into a bucket")
-    if got == expected:
+    if [sorted(b) for b in got] == [sorted(b) for b in expected]:
+        # The rule's buckets in the rule's order; where each gradient sits inside its flat buffer is the
+        # answer's to choose, as long as it copies each back from where it put it (checked after).
         return
     sizes_of = [sum(sizes[i] for i in b) for b in got]
     if len(got) == len(names):

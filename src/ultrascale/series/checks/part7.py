@@ -404,15 +404,15 @@ def _count_step(cfg):
     return calls
 
 
-def count_config(zero: int, micro_batches: int):
+def count_config(zero: int, micro_batches: int, world: int = WORLD):
     import dataclasses
 
     from ultrascale.config import validate
     from ultrascale.series.checks.part6 import engine_run_config
 
-    cfg = engine_run_config(zero)
+    cfg = engine_run_config(zero, dp=world)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=2, grad_accum=micro_batches))
-    return validate(cfg, WORLD)
+    return validate(cfg, world)
 
 
 def root_params(model_cfg) -> int:
@@ -426,36 +426,50 @@ def root_params(model_cfg) -> int:
     return sum(p.numel() for p in model.parameters()) - in_blocks
 
 
+# (N, micro-batches) measured: N = 2 with 1 and 2 micro-batches, then N = 4, where 2(N-1)/N = 3/2 and
+# (N-1)/N = 3/4: on 2 ranks alone a count with the ring's factors written as 1 and 1/2 would pass.
+RUNS = ((WORLD, 1), (WORLD, 2), (4, 1))
+
+
 @functools.lru_cache(maxsize=None)
 def _measured():
-    """The bytes each rank sent per step, by (stage, micro-batches), with psi and the kept root unit's
-    parameters: eight engine steps on 2 ranks, the same on every call of the check."""
+    """The bytes each rank sent per step, by (stage, N, micro-batches), with psi and the kept root unit's
+    parameters: twelve engine steps on 2 and 4 ranks, the same on every call of the check."""
     from ultrascale.model import count_params
 
     measured = {}
-    for m in (1, 2):
+    for world, m in RUNS:
         for stage in range(4):
-            cfg = count_config(stage, m)
-            calls = on_ranks(WORLD, _count_step, cfg)[0]
-            measured[stage, m] = sum(KIND_FACTOR[k](WORLD) * b for k, b in calls)
+            cfg = count_config(stage, m, world)
+            calls = on_ranks(world, _count_step, cfg)[0]
+            measured[stage, world, m] = sum(KIND_FACTOR[k](world) * b for k, b in calls)
     return measured, count_params(cfg.model), root_params(cfg.model)
 
 
 def exercise_2(fn) -> None:
     measured, psi, kept = _measured()
     names = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
-    for m in (1, 2):
+    for world, m in RUNS:
         for stage in range(4):
-            want = measured[stage, m]
-            got = fn(stage, psi, WORLD, micro_batches=m, param_bytes=2, grad_bytes=4, psi_kept=kept)
+            want = measured[stage, world, m]
+            got = fn(stage, psi, world, micro_batches=m, param_bytes=2, grad_bytes=4, psi_kept=kept)
             got = float(got)
-            require_finite(got, f"your count for {names[stage]} with {m} micro-batch{'es' if m > 1 else ''}")
+            require_finite(got, f"your count for {names[stage]} on {world} ranks with {m} micro-batch"
+                                f"{'es' if m > 1 else ''}")
             if abs(got - want) <= 2e-3 * want:
                 continue
             r = got / want
-            where = (f"{names[stage]} with {m} micro-batch{'es' if m > 1 else ''} (psi={psi:,}, N={WORLD}, bf16 "
+            if world != WORLD and all(abs(float(fn(st, psi, WORLD, micro_batches=1, param_bytes=2, grad_bytes=4,
+                                                     psi_kept=kept)) - measured[st, WORLD, 1])
+                                      <= 2e-3 * measured[st, WORLD, 1] for st in range(4)):
+                raise AssertionError(
+                    f"{names[stage]} on {world} ranks: you count {got:,.0f} bytes, the engine's collectives sent "
+                    f"{want:,.0f} per rank ({r:.3f}x), where on {WORLD} ranks your counts were right: the ring's "
+                    f"factors depend on N, 2(N-1)/N for an all-reduce (1 on 2 ranks, 3/2 on 4) and (N-1)/N for a "
+                    f"reduce-scatter or an all-gather (1/2 on 2 ranks, 3/4 on 4); write them with N")
+            where = (f"{names[stage]} with {m} micro-batch{'es' if m > 1 else ''} (psi={psi:,}, N={world}, bf16 "
                      f"parameters, fp32 gradients)")
-            if m == 1 and abs(r - WORLD / (WORLD - 1)) < 0.01:
+            if m == 1 and abs(r - world / (world - 1)) < 0.01:
                 raise AssertionError(
                     f"{where}: you count {got:,.0f} bytes, the engine's collectives sent {want:,.0f} per rank "
                     f"({r:.3f}x): in a ring each rank sends (N-1)/N of the buffer per phase - once for "

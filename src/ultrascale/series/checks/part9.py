@@ -310,10 +310,10 @@ def exercise_1(sp_block):
 
 # -- exercise 2: activation memory per rank, TP vs TP+SP -----------------------------------------
 @functools.lru_cache(maxsize=None)
-def block_activation_bytes_on_ranks(model_cfg, b: int, s: int, sp: bool) -> int:
-    """Bytes block 0 of the engine's model keeps for backward on rank 0 of a 2-rank TP (+SP) group,
-    fp32, measured with the engine's ActivationMeter (once per shape: the same every time)."""
-    return on_ranks(WORLD, _measure_block, model_cfg, b, s, sp, timeout=60)[0]
+def block_activation_bytes_on_ranks(model_cfg, b: int, s: int, sp: bool, t: int = WORLD) -> int:
+    """Bytes block 0 of the engine's model keeps for backward on rank 0 of a t-rank TP (+SP) group (2 unless
+    told), fp32, measured with the engine's ActivationMeter (once per shape: the same every time)."""
+    return on_ranks(t, _measure_block, model_cfg, b, s, sp, timeout=60)[0]
 
 
 def _measure_block(model_cfg, b, s, sp):
@@ -343,7 +343,7 @@ def _measured(cfg, b, s, t, sp) -> int:
     """What a rank keeps: one process's block for t = 1, the engine's on 2 ranks otherwise."""
     from ultrascale.series.checks.part2 import block_saved_bytes
 
-    return block_saved_bytes(cfg, b, s, 4) if t == 1 else block_activation_bytes_on_ranks(cfg, b, s, sp)
+    return block_saved_bytes(cfg, b, s, 4) if t == 1 else block_activation_bytes_on_ranks(cfg, b, s, sp, t)
 
 
 def _formula(cfg, b, s, t, sp, norm_div=None, norm_out_div=1, inner_div=None, kv=None, lse=True):
@@ -365,6 +365,15 @@ def _cases():
     gqa = ModelConfig(name="gqa-128", vocab_size=257, hidden=128, layers=1, heads=8, kv_heads=2, ffn_hidden=352,
                       max_seq_len=256)
     return [(tiny, 2, 32), (tiny, 1, 64), (gqa, 2, 24)]
+
+
+def _cases_of_4():
+    """A GQA block whose 4 key/value heads split over 4 ranks: with t = 4, a 2 written where t belongs shows."""
+    from ultrascale.model import ModelConfig
+
+    gqa = ModelConfig(name="gqa-128-kv4", vocab_size=257, hidden=128, layers=1, heads=8, kv_heads=4, ffn_hidden=352,
+                      max_seq_len=256)
+    return [(gqa, 2, 24)]
 
 
 def _any_split(cfg, b, s, t, sp, got, want, where):
@@ -413,17 +422,21 @@ def _split_mistake(cfg, b, s, t, sp, got, where):
 
 def exercise_2(activation_bytes_per_rank):
     """activation_bytes_per_rank(cfg, b, s, t, sp) -> bytes one block keeps per rank, fp32, flash SDPA."""
-    for cfg, b, s in _cases():
-        for t, sp in ((1, False), (WORLD, False), (WORLD, True)):
-            got = activation_bytes_per_rank(cfg, b, s, t, sp)
-            assert got is not None, "return the number of bytes"
-            require_finite(got, f"your byte count for {cfg.name}, b={b}, s={s}, t={t}{' with SP' if sp else ''}")
-            want = _measured(cfg, b, s, t, sp)
-            if abs(got - want) <= 1e-9 * want:
-                continue
-            where = (f"{cfg.name} (h={cfg.hidden}, heads={cfg.heads}, kv_heads={cfg.kv_heads}, f={cfg.ffn_hidden}), "
-                     f"b={b}, s={s}, t={t}{' with SP' if sp else ''}: you say {got:,.0f} bytes, a rank keeps {want:,}")
-            _any_split(cfg, b, s, t, sp, got, want, where)
-            _split_mistake(cfg, b, s, t, sp, got, where)
-            raise AssertionError(f"{where} ({got - want:+,.0f}). Per token: 2 norms (8h + 4, /t under SP), 2 norm "
-                                 f"outputs (4h, whole), and (4(2h + 2kv) + 4a + 16f)/t inside the region")
+    runs = [(case, t, sp) for case in _cases() for t, sp in ((1, False), (WORLD, False), (WORLD, True))]
+    runs += [(case, 4, sp) for case in _cases_of_4() for sp in (False, True)]
+    for (cfg, b, s), t, sp in runs:
+        got = activation_bytes_per_rank(cfg, b, s, t, sp)
+        assert got is not None, "return the number of bytes"
+        require_finite(got, f"your byte count for {cfg.name}, b={b}, s={s}, t={t}{' with SP' if sp else ''}")
+        want = _measured(cfg, b, s, t, sp)
+        if abs(got - want) <= 1e-9 * want:
+            continue
+        where = (f"{cfg.name} (h={cfg.hidden}, heads={cfg.heads}, kv_heads={cfg.kv_heads}, f={cfg.ffn_hidden}), "
+                 f"b={b}, s={s}, t={t}{' with SP' if sp else ''}: you say {got:,.0f} bytes, a rank keeps {want:,}")
+        if t != WORLD and abs(got - _formula(cfg, b, s, WORLD, sp)) < 1:
+            raise AssertionError(f"{where}: that is what a rank keeps with t = {WORLD}; with t = {t} what the "
+                                 f"split divides is divided by {t}: write t where you wrote {WORLD}")
+        _any_split(cfg, b, s, t, sp, got, want, where)
+        _split_mistake(cfg, b, s, t, sp, got, where)
+        raise AssertionError(f"{where} ({got - want:+,.0f}). Per token: 2 norms (8h + 4, /t under SP), 2 norm "
+                             f"outputs (4h, whole), and (4(2h + 2kv) + 4a + 16f)/t inside the region")
