@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(BIN)/ultrascale train --model small --steps 60 --seq-len 128 --micro-batch 8 --lr 3e-3 --log-every 5
 
 # The passes (each timed; the 15 slowest tests at the end) are scripts/test_passes.py's: the whole
-# suite on two pytest-xdist workers, then the equivalence tests and
+# suite on three pytest-xdist workers, then the equivalence tests and
 # the notebooks whose figures or kernels depend on the CPU's kernel set again under the lowest set
 # (ATEN_CPU_CAPABILITY=default): a tolerance that holds for one CPU's rounding only is found here,
 # not on the next machine (docs/engine.md, "Tolerance classes").

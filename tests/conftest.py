@@ -52,7 +52,7 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """How `make test` spreads the tests over its two pytest-xdist workers (--dist loadgroup): a test
+    """How `make test` spreads the tests over its pytest-xdist workers (--dist loadgroup): a test
     file is one unit, run by one worker (its module fixtures built once), unless its tests name a group
     of their own (each notebook's runs, each part of the README's tour). The units marked `long` go
     first, so that the short ones fill in beside them instead of a long one running alone at the end."""
