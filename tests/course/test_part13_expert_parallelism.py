@@ -74,6 +74,19 @@ WRONG = [  # (exercise, label, what the check must say, answer source)
 '''),
     (1, "k written as 2", "with k = 3, expert_idx and weights should be [tokens, k] = [24, 3]",
      _route(_RENORMALISED).replace("scores.topk(k, dim=-1)", "scores.topk(2, dim=-1)")),
+    # Ranked with an unstable sort: among exactly tied scores it keeps whichever it likes.
+    (1, "unstable sort among ties", "the earlier token keeps its place", _ROUTE_HEAD + '''
+    weights = chosen / chosen.sum(dim=-1, keepdim=True)
+    keep = torch.ones_like(expert_idx, dtype=torch.bool)
+    if capacity_factor:
+        capacity = math.ceil(capacity_factor * tokens * k / experts)
+        flat_e, flat_s, flat_keep = expert_idx.reshape(-1), chosen.reshape(-1), keep.reshape(-1)
+        for e in range(experts):
+            pos = (flat_e == e).nonzero().flatten()
+            ranked = pos[(-flat_s[pos]).argsort()]
+            flat_keep[ranked[capacity:]] = False
+    return expert_idx, weights, keep
+'''),
     (1, "capacity without k", "capacity counts assignments",
      _route(_RENORMALISED, capacity="math.ceil(capacity_factor * tokens / experts)")),
     (1, "capacity rounded down", "round up",

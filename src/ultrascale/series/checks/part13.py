@@ -145,6 +145,18 @@ def exercise_1(route):
             # Dropped assignments keep their weight too: a NaN there poisons the output even times a 0.
             require_finite(weights, f"your weights with k = {k} and capacity factor {factor}")
             _check_capacity(factor, k, idx, keep, want_idx, want_w, chosen)
+    # Exact ties: 2 distinct rows, each 32 times over, so an expert's capacity falls among equal scores and
+    # the earlier token must win (an unstable sort picks among them as it likes).
+    tied = logits[:2].repeat(32, 1)
+    want_idx, want_w, _ = _route_reference(tied, 2, 0.0)
+    chosen = tied.double().softmax(-1).gather(1, want_idx)
+    idx, weights, keep = route(tied.clone(), 2, 1.0)
+    require_finite(weights, "your weights on tied scores")
+    got = {(t, int(e)) for t in range(len(idx)) for e, kk in zip(idx[t].tolist(), keep[t].tolist()) if kk}
+    if got != _kept(want_idx, chosen, math.ceil(len(tied) * 2 / EXPERTS)):
+        raise AssertionError("where tokens score exactly the same for an expert, the earlier token keeps its place "
+                             "and the later ones are dropped: rank with a stable sort (torch.sort(-scores, "
+                             "stable=True)) or by (score, token)")
 
 
 def expert_forward(e, x):
