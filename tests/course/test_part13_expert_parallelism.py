@@ -313,6 +313,26 @@ def dispatch(tokens, expert_idx, n_experts, expert_forward):
     result[order] = back
     return result
 '''),
+    (2, "each row's expert as an extra column of the rows sent", '''
+def dispatch(tokens, expert_idx, n_experts, expert_forward):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = n_experts // world
+    order = torch.argsort(expert_idx, stable=True)
+    send = torch.bincount(expert_idx // local, minlength=world)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    send, recv = send.tolist(), recv.tolist()
+    packed = torch.cat([tokens, expert_idx[:, None].to(tokens.dtype)], dim=1)[order]   # [T, h + 1]
+    rows = packed.new_empty((sum(recv), packed.shape[1]))
+    dist.all_to_all_single(rows, packed, recv, send)
+    idx, rows = rows[:, -1].long(), rows[:, :-1].contiguous()
+    done = torch.empty_like(rows)
+    for e in range(rank * local, (rank + 1) * local):
+        done[idx == e] = expert_forward(e, rows[idx == e])
+    back = torch.empty_like(tokens)
+    dist.all_to_all_single(back, done, send, recv)
+    return back[torch.argsort(order)]
+'''),
 ]
 
 

@@ -102,6 +102,14 @@ def flash_attention_forward(q, k, v, block):
         acc = acc + p @ v[start:start + block]
     return acc / row_sum
 '''),
+    # The block size written in, not taken from the argument: right output, blocks of the wrong size.
+    (1, "block size fixed at 16", "scored 16 keys at once where a block holds 12",
+     _FA_HEAD.replace("    scale =", "    block = 16\n    scale =") + '''
+        row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
+        acc = acc * correction + p @ v_blk
+        row_max = new_max
+    return acc / row_sum
+'''),
     (1, "accumulator not rescaled", "you rescale row_sum but not acc", _FA_HEAD + '''
         row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
         acc = acc + p @ v_blk

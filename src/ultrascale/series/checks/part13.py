@@ -315,19 +315,22 @@ def _check_experts_ran(results, owned, routed):
 
 
 def _check_all_to_all_pair(rank, mine, received_rows):
-    """A dispatch all-to-all of this rank's TOKENS rows, then a combine of the rows its experts computed."""
-    row = HIDDEN * 4  # float32
+    """A dispatch all-to-all of this rank's TOKENS rows, then a combine of the rows its experts computed.
+    A row is the token's HIDDEN floats, or those with a column or two beside them (the expert id, the token's
+    position), sent in the same message rather than in an all-to-all of their own."""
+    widths = [(HIDDEN + extra) * 4 for extra in range(3)]  # float32 rows
     sizes = [c.bytes for c in mine if c.kind in ("all_to_all", "all_to_all_single")]
-    if TOKENS * row not in sizes:
+    dispatched = [i for i, b in enumerate(sizes) if b in [TOKENS * w for w in widths]]
+    if not dispatched:
         raise AssertionError(
-            f"rank {rank} sent no all-to-all of its {TOKENS} tokens ({TOKENS * row} B; all-to-alls of "
-            f"{sizes} B): the dispatch sends each token once, to its expert's rank")
-    after = sizes[sizes.index(TOKENS * row) + 1:]
-    if received_rows * row not in after:
+            f"rank {rank} sent no all-to-all of its {TOKENS} tokens ({TOKENS * widths[0]} B, {HIDDEN} floats a "
+            f"row; all-to-alls of {sizes} B): the dispatch sends each token once, to its expert's rank")
+    after = sizes[dispatched[0] + 1:]
+    if not any(received_rows * w in after for w in widths):
         raise AssertionError(
             f"rank {rank} never sent the experts' outputs home: after the dispatch its experts computed "
-            f"{received_rows} rows ({received_rows * row} B) for other ranks' tokens; the second all-to-all (the "
-            f"dispatch reversed: the received counts become the send counts) returns each to its token's rank")
+            f"{received_rows} rows ({received_rows * widths[0]} B) for other ranks' tokens; the second all-to-all "
+            f"(the dispatch reversed: the received counts become the send counts) returns each to its token's rank")
 
 
 def exercise_2(dispatch):

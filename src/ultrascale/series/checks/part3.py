@@ -407,6 +407,21 @@ def _tail(results, numel):
                 f"chunks cover every element ({', '.join(str(len(c)) for c in r['input'].tensor_split(n))})")
 
 
+def _fewer_pieces(calls, numel):
+    """A ring over the pieces of t.chunk(N), which are fewer than N for a short tensor: 2(M-1) steps for M
+    pieces, so the ranks past the last piece never take part in the sum."""
+    import torch
+
+    n = len(calls)
+    pieces = [len(c) for c in torch.arange(numel).chunk(n)]
+    if len(pieces) < n and all(len(_sends(mine)) == 2 * (len(pieces) - 1) for mine in calls):
+        raise AssertionError(
+            f"with {numel} elements on {n} ranks your ring went round {len(pieces)} chunks in "
+            f"{2 * (len(pieces) - 1)} steps: t.chunk(N) can give fewer than N pieces ({pieces}), so some ranks' "
+            f"contributions are never summed. t.tensor_split(N) always gives N, their sizes differing by one at "
+            f"most; the ring has N - 1 steps in each phase whatever the sizes")
+
+
 def _judge(results, calls, numel):
     """How the ring communicated, then what it computed."""
     n = len(results)
@@ -422,6 +437,7 @@ def _judge(results, calls, numel):
     _steps(calls, numel, elem)
     _tail(results, numel)
     if any((r["output"] - r["reference"]).abs().max().item() >= 1e-5 for r in results):
+        _fewer_pieces(calls, numel)
         _diagnose(results)
     for rank, r in enumerate(results):
         err = (r["output"] - r["reference"]).abs().max().item()
