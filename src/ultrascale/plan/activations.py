@@ -58,6 +58,8 @@ of the shard's positions, gathered from the tables: 4·head_dim bytes per positi
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, replace
 
 
@@ -302,6 +304,7 @@ def op_policy_terms(shape, spec: ActivationSpec) -> list[tuple[str, float, str]]
             ("w2 output", b * h, "tp_partial")]
 
 
+@functools.lru_cache(maxsize=65536)  # a search asks for the same few blocks hundreds of thousands of times
 def layer_bytes(shape, spec: ActivationSpec, tokens: int, recompute: str | None = None,
                 moe: bool | None = None) -> float:
     """Bytes one block keeps for `tokens` tokens of a micro-batch (before cp / tp division); moe: an MoE

@@ -33,6 +33,8 @@ simulator played with measured, unequal F / I / W costs.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Protocol
 
 
@@ -117,13 +119,23 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
 
 def in_flight(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> float:
     """Micro-batches' worth of a stage's activations alive at the stage's peak (1 without a pipeline)."""
-    return 1.0 if p == 1 else SCHEDULES[schedule].in_flight(p, m, v, stage)
+    return 1.0 if p == 1 else _in_flight(SCHEDULES[schedule], p, m, v, stage)
 
 
-def held_per_chunk(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> list[float]:
+def held_per_chunk(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> tuple[float, ...]:
     """Micro-batches held at the peak by each of the stage's v chunks (a schedule without its own
     split holds the same number of each)."""
-    model = SCHEDULES[schedule]
+    return _held_per_chunk(SCHEDULES[schedule], p, m, v, stage)
+
+
+# Cached by the schedule's model itself, so that use_schedule's replacement is asked afresh.
+@functools.lru_cache(maxsize=65536)
+def _in_flight(model, p: int, m: int, v: int, stage: int) -> float:
+    return model.in_flight(p, m, v, stage)
+
+
+@functools.lru_cache(maxsize=65536)
+def _held_per_chunk(model, p: int, m: int, v: int, stage: int) -> tuple[float, ...]:
     if p > 1 and hasattr(model, "held_per_chunk"):
-        return list(model.held_per_chunk(p, m, v, stage))
-    return [in_flight(schedule, p, m, v, stage)] * v
+        return tuple(model.held_per_chunk(p, m, v, stage))
+    return (1.0 if p == 1 else model.in_flight(p, m, v, stage),) * v

@@ -59,13 +59,15 @@ def stage_layer_ids(shape, pp: int, partition: str = "even", chunks: int = 1, fi
                   holds_head(r, pp, vshape)) for r in range(pp))
 
 
+@functools.lru_cache(maxsize=4096)
 def chunk_layers(shape, pp: int, chunks: int, rank: int, partition: str = "even", first: int = 0,
-                 last: int = 0, vshape: bool = False) -> list[int]:
+                 last: int = 0, vshape: bool = False) -> tuple[int, ...]:
     """Blocks in each of rank's chunks (virtual stages c·pp + rank, or the V's), from the same split as its states."""
     stages = _split(shape, pp, partition, chunks, first, last)
-    return [len(ids) for ids in rank_chunks(stages, rank, pp, chunks, vshape)]
+    return tuple(len(ids) for ids in rank_chunks(stages, rank, pp, chunks, vshape))
 
 
+@functools.lru_cache(maxsize=4096)
 def block_counts(shape, stage) -> tuple[int, bool, bool, int]:
     """(blocks, holds the embedding, holds the head, how many of the blocks are dense) of a
     stage_layer_ids entry: an MoE model's leading dense blocks sit on the first stage."""
@@ -95,13 +97,18 @@ def stage_params(shape, lay, blocks: tuple[int, bool, bool, int]) -> tuple[float
     expert parameters are what expert parallelism shards (experts / ep on each rank, then ZeRO over the
     dp·cp / ep ranks holding the same experts); everything else is dense, sharded by tp where its
     matrices are (norms, row-parallel biases, MLA's latents and the router are replicated)."""
-    tp, h = lay.tp, shape.hidden
+    return _stage_params(shape, lay.tp, lay.ep, blocks)
+
+
+@functools.lru_cache(maxsize=65536)  # by the two sizes it reads: a search repeats them across its layouts
+def _stage_params(shape, tp: int, ep: int, blocks: tuple[int, bool, bool, int]) -> tuple[float, float]:
+    h = shape.hidden
     n_layers, has_embed, has_head, n_dense = blocks
     common = shape.attn_params(tp) + 2 * shape.norm_params()
     dense = n_dense * (common + shape.mlp_params(tp))
     n_moe = n_layers - n_dense
     dense += n_moe * (common + shape.router_params() + shape.shared_params(tp))
-    expert = n_moe * (shape.experts // lay.ep) * shape.expert_params(tp) if n_moe else 0
+    expert = n_moe * (shape.experts // ep) * shape.expert_params(tp) if n_moe else 0
     vocab_rows = padded_vocab(shape, tp) // tp
     if has_embed:
         dense += vocab_rows * h
@@ -114,10 +121,14 @@ def stage_params(shape, lay, blocks: tuple[int, bool, bool, int]) -> tuple[float
 
 def model_states(shape, lay, prec: Precision, blocks=None) -> dict:
     """{"params", "grads", "optim"} bytes of one rank of a stage holding `blocks` (the closed forms above)."""
-    dense, expert = stage_params(shape, lay, blocks or (shape.layers, True, True, shape.layers - shape.moe_layers))
-    n_dense = lay.dp * lay.cp
-    n_expert = max(1, n_dense // lay.ep)
-    z = lay.zero
+    blocks = blocks or (shape.layers, True, True, shape.layers - shape.moe_layers)
+    return dict(_model_states(shape, lay.tp, lay.ep, lay.dp * lay.cp, lay.zero, prec, blocks))
+
+
+@functools.lru_cache(maxsize=65536)  # by the sizes it reads (a fresh dict each call: callers may add to it)
+def _model_states(shape, tp: int, ep: int, n_dense: int, z: int, prec: Precision, blocks) -> tuple:
+    dense, expert = _stage_params(shape, tp, ep, blocks)
+    n_expert = max(1, n_dense // ep)
 
     def sharded(count, stage_needed, n):
         return count / n if z >= stage_needed else count
@@ -125,8 +136,8 @@ def model_states(shape, lay, prec: Precision, blocks=None) -> dict:
     def owner(bytes_per_param, stage_needed):
         return bytes_per_param * (sharded(dense, stage_needed, n_dense) + sharded(expert, stage_needed, n_expert))
 
-    return {"params": owner(prec.param_bytes, 3), "grads": owner(prec.grad_bytes, 2),
-            "optim": owner(prec.optim_bytes, 1), "param_count": dense + expert}
+    return (("params", owner(prec.param_bytes, 3)), ("grads", owner(prec.grad_bytes, 2)),
+            ("optim", owner(prec.optim_bytes, 1)), ("param_count", dense + expert))
 
 
 # -- the engine, element for element -----------------------------------------
