@@ -80,6 +80,9 @@ class ActivationMeter:
         self.saved: dict[int, int] = {}
         self.peak = 0
 
+    # Bookkeeping, not model code: under --compile dynamo would otherwise trace this hook as a frame of
+    # its own, once for every shape and dtype autograd saves, and recompile it until its limit.
+    @torch.compiler.disable
     def _pack(self, t):
         self.record(t)
         return t
