@@ -60,6 +60,11 @@ def _ce_without(line, instead):
     return (_CE % (_MAX, " * mine", "mean")).replace(line, instead)
 
 WRONG = [  # (exercise, label, what the check must say, answer source)
+    # The sizes of the notebook's example written in: right there, a size error on another shape.
+    (1, "the hidden features flattened to the notebook's 6 x 8", "take every size from the tensors",
+     _mlp(_REDUCE_GRAD, _REDUCE, _PASS).replace(
+         "    hidden = F.gelu(EnterRegion.apply(x) @ w1_shard.t())",
+         "    hidden = F.gelu(EnterRegion.apply(x).reshape(6, 8) @ w1_shard.t()).reshape(2, 3, -1)")),
     (1, "f backward is the identity", "only holds the part that flows through its own",
      _mlp(_PASS, _REDUCE, _PASS)),
     (1, "g forward does not reduce", "only its own partial sum",

@@ -16,9 +16,10 @@ from ultrascale.series.checks import RankError, on_ranks, require_finite
 from ultrascale.testing.tolerance import BF16_FORMAT, FP16_FORMAT
 
 WORLD = 2
-B, S, H, FFN = 2, 3, 8, 16  # the MLP: x [B, S, H], w1 [FFN, H], w2 [H, FFN]
-ACTIVATION_BYTES = B * S * H * 4  # what f and g all-reduce: one fp32 [b, s, h] tensor
-WEIGHT_SHARD_BYTES = FFN // WORLD * H * 4  # w1_shard [f/t, h] and w2_shard [h, f/t] alike
+# The MLP's cases, (seed, (b, s, h, f)): x [b, s, h], w1 [f, h], w2 [h, f]. The first has h = f/t, where
+# shards used untransposed still fit and their product is named; the second has no power of two, h and
+# f/t apart, s odd, so that a size written in (a view to 6 x 8, h = 8) fails.
+MLP_CASES = ((81, (2, 3, 8, 16)), (82, (3, 5, 12, 20)))
 TOKENS, VOCAB = 12, 64  # the loss: logits [TOKENS, VOCAB], each rank VOCAB / WORLD columns
 # A few numbers per token may travel (the max, the sum of exp, the target logit, even in float64);
 # a shard of logits is VOCAB / WORLD = 32 per token, at least 64 bytes a token in any float type.
@@ -32,18 +33,19 @@ def _sizes_failed(e: RankError) -> bool:
 
 
 # -- exercise 1: the tensor-parallel MLP --------------------------------------------------
-def _mlp_tensors(seed):
+def _mlp_tensors(seed, dims):
     import torch
 
+    b, s, h, f = dims
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, S, H, generator=g)
-    w1 = torch.randn(FFN, H, generator=g) / H**0.5
-    w2 = torch.randn(H, FFN, generator=g) / FFN**0.5
-    cot = torch.randn(B, S, H, generator=g)  # the loss is (out * cot).sum(): a gradient unlike any other
+    x = torch.randn(b, s, h, generator=g)
+    w1 = torch.randn(f, h, generator=g) / h**0.5
+    w2 = torch.randn(h, f, generator=g) / f**0.5
+    cot = torch.randn(b, s, h, generator=g)  # the loss is (out * cot).sum(): a gradient unlike any other
     return x, w1, w2, cot
 
 
-def _mlp_case(tp_mlp, seed):
+def _mlp_case(tp_mlp, seed, dims):
     """On each rank: the learner's MLP on its shards; its output, its gradients, and the collectives
     it called in forward and in backward."""
     import torch.distributed as dist
@@ -51,8 +53,8 @@ def _mlp_case(tp_mlp, seed):
     from ultrascale.series import watch
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    x, w1, w2, cot = _mlp_tensors(seed)
-    n = FFN // world
+    x, w1, w2, cot = _mlp_tensors(seed, dims)
+    n = w1.shape[0] // world
     mine = slice(rank * n, (rank + 1) * n)
     x = x.clone().requires_grad_()
     w1_shard = w1[mine].clone().requires_grad_()      # column-parallel: this rank's output features
@@ -83,18 +85,18 @@ def _mlp_untransposed(x, w1, w2):
     so the shapes let it through)."""
     import torch.nn.functional as F
 
-    n = FFN // WORLD
+    n = w1.shape[0] // WORLD
     return sum(F.gelu(x.double() @ w1.double()[r * n:(r + 1) * n]) @ w2.double()[:, r * n:(r + 1) * n]
                for r in range(WORLD))
 
 
-def _mlp_forbidden(rank, forward, backward):
+def _mlp_forbidden(rank, forward, backward, shard_bytes):
     """Any collective but all-reduce: the weights gathered, or an all-reduce written by hand."""
     for phase, calls in (("forward", forward), ("backward", backward)):
         for c in calls:
             if c.kind == "all_reduce":
                 continue
-            if c.kind in _GATHERS and c.bytes == WEIGHT_SHARD_BYTES:
+            if c.kind in _GATHERS and c.bytes == shard_bytes:
                 raise AssertionError(
                     f"rank {rank} called {c} in {phase}: it gathered the weights of the other ranks, so every rank "
                     f"holds and runs the whole MLP, as without tensor parallelism. Never move the weights: compute "
@@ -116,7 +118,8 @@ def _mlp_values(rank, got, x, w1, w2, cot, want):
     import torch
 
     out = want[0]
-    n = FFN // WORLD
+    h, f = x.shape[-1], w1.shape[0]
+    n = f // WORLD
     mine = slice(rank * n, (rank + 1) * n)
 
     def near(a, b):
@@ -125,13 +128,13 @@ def _mlp_values(rank, got, x, w1, w2, cot, want):
     own = _mlp_reference(x, w1, w2, cot, rows=mine)
     assert tuple(got.shape) == tuple(out.shape), (
         f"rank {rank} returned shape {tuple(got.shape)}: after g every rank holds the whole output "
-        f"{tuple(out.shape)}; the row-parallel linear maps its {n} features back to h = {H}")
+        f"{tuple(out.shape)}; the row-parallel linear maps its {n} features back to h = {h}")
     require_finite(got, f"rank {rank}'s output")
     if near(got, out):
         return own
     if near(got, own[0]):
         raise AssertionError(f"rank {rank}'s output is only its own partial sum (through its {n} of "
-                             f"{FFN} hidden features): g's forward must all-reduce (sum) the row-parallel "
+                             f"{f} hidden features): g's forward must all-reduce (sum) the row-parallel "
                              f"outputs over the ranks")
     if near(got, _mlp_reference(x, w1, w2, cot, scale_x=WORLD)[0]):
         raise AssertionError(f"rank {rank} computed the MLP of {WORLD}x its input: f's forward is the "
@@ -153,7 +156,7 @@ def _mlp_gradients(rank, grads, differentiable, want, own):
 
     got_x, got_w1, got_w2 = grads
     _, gx, gw1, gw2 = want
-    n = FFN // WORLD
+    n = gw1.shape[0] // WORLD
     mine = slice(rank * n, (rank + 1) * n)
 
     def near(a, b):
@@ -187,9 +190,11 @@ def _mlp_gradients(rank, grads, differentiable, want, own):
                              f"shards (w1 rows {mine.start}:{mine.stop}, w2 columns {mine.start}:{mine.stop})")
 
 
-def _mlp_collectives(rank, forward, backward):
+def _mlp_collectives(rank, forward, backward, dims):
     """Right values: now how. One all-reduce (sum) of the [b, s, h] activation over both ranks each way."""
     everyone = tuple(range(WORLD))
+    b, s, h, _ = dims
+    activation = b * s * h * 4  # what f and g all-reduce: one fp32 [b, s, h] tensor
     for phase, calls, who, why in (
             ("forward", forward, "g's", "f's forward is the identity (every rank already holds x)"),
             ("backward", backward, "f's", "g's backward is the identity (the output's gradient is already whole "
@@ -204,32 +209,35 @@ def _mlp_collectives(rank, forward, backward):
         if c.group != everyone:
             raise AssertionError(f"rank {rank}'s {phase} all-reduce ran over ranks {list(c.group)}: {who} "
                                  f"all-reduce spans the whole tensor-parallel group {list(everyone)}")
-        if c.bytes != ACTIVATION_BYTES:
+        if c.bytes != activation:
             raise AssertionError(f"rank {rank}'s {phase} all-reduce carried {c.bytes} B: {who} all-reduce moves "
-                                 f"the [b, s, h] activation, {B}*{S}*{H} fp32 values = {ACTIVATION_BYTES} B")
+                                 f"the [b, s, h] activation, {b}*{s}*{h} fp32 values = {activation} B")
 
 
 def exercise_1(tp_mlp):
     """tp_mlp(x, w1_shard, w2_shard) on 2 ranks: column-parallel w1, row-parallel w2, f and g."""
-    seed = 81
-    try:
-        results = on_ranks(WORLD, _mlp_case, tp_mlp, seed, timeout=60)
-    except RankError as e:
-        if not _sizes_failed(e):
-            raise
-        raise AssertionError(f"a rank failed with a size error ({str(e).splitlines()[0][:160]}): x is whole "
-                             f"on every rank ([b, s, h]), so f's forward is the identity; w1_shard [f/t, h] "
-                             f"makes [b, s, f/t] hidden features, w2_shard [h, f/t] maps them back to "
-                             f"[b, s, h]") from None
-    x, w1, w2, cot = _mlp_tensors(seed)
-    want = _mlp_reference(x, w1, w2, cot)
-    for rank, (_, _, _, forward, backward) in enumerate(results):
-        _mlp_forbidden(rank, forward, backward)
-    for rank, (got, grads, differentiable, _, _) in enumerate(results):
-        own = _mlp_values(rank, got, x, w1, w2, cot, want)
-        _mlp_gradients(rank, grads, differentiable, want, own)
-    for rank, (_, _, _, forward, backward) in enumerate(results):
-        _mlp_collectives(rank, forward, backward)
+    for seed, dims in MLP_CASES:
+        try:
+            results = on_ranks(WORLD, _mlp_case, tp_mlp, seed, dims, timeout=60)
+        except RankError as e:
+            if not _sizes_failed(e):
+                raise
+            b, s, h, f = dims
+            raise AssertionError(f"with x [{b}, {s}, {h}] and f = {f}, a rank failed with a size error "
+                                 f"({str(e).splitlines()[0][:160]}): x is whole on every rank ([b, s, h]), so f's "
+                                 f"forward is the identity; w1_shard [f/t, h] makes [b, s, f/t] hidden features, "
+                                 f"w2_shard [h, f/t] maps them back to [b, s, h]; take every size from the "
+                                 f"tensors") from None
+        x, w1, w2, cot = _mlp_tensors(seed, dims)
+        want = _mlp_reference(x, w1, w2, cot)
+        shard_bytes = w1.shape[0] // WORLD * w1.shape[1] * 4  # w1_shard [f/t, h] and w2_shard [h, f/t] alike
+        for rank, (_, _, _, forward, backward) in enumerate(results):
+            _mlp_forbidden(rank, forward, backward, shard_bytes)
+        for rank, (got, grads, differentiable, _, _) in enumerate(results):
+            own = _mlp_values(rank, got, x, w1, w2, cot, want)
+            _mlp_gradients(rank, grads, differentiable, want, own)
+        for rank, (_, _, _, forward, backward) in enumerate(results):
+            _mlp_collectives(rank, forward, backward, dims)
 
 
 # -- exercise 2: vocabulary-parallel cross-entropy --------------------------------------------
