@@ -90,6 +90,10 @@ def merge_partials(out1, lse1, out2, lse2):
     lse = torch.logaddexp(lse1, lse2)
     return torch.exp(lse1 - lse) * out1 + torch.exp(lse2 - lse) * out2, lse
 '''),
+    # The notebook's 4 ranks written in: right there, a hop too many (and a deadlock) on 3.
+    (2, "four steps written in", "your ring is right on 4 ranks of 4 positions, but on 3 ranks of 5 positions",
+     _ring(_RIGHT_STEP.replace("if step + 1 < world:", "if step + 1 < 4:")).replace(
+         "for step in range(world):", "for step in range(4):")),
     (2, "all-gathers K and V", "all_gather", '''
 def ring_attention(q, k, v):
     rank, world = dist.get_rank(), dist.get_world_size()

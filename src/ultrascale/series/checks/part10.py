@@ -132,14 +132,14 @@ def exercise_1(merge_partials):
 
 
 # -- exercise 2 -----------------------------------------------------------------------------------
-def _ring_case(ring_attention, seed):
+def _ring_case(ring_attention, seed, per_rank=4, head_dim=8):
     """On each rank: its contiguous shard of one sequence's q, k, v -> (its output, the reference)."""
     import torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, 2, 4 * world, 8, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, per_rank * world, head_dim, generator=g) for _ in range(3))
     n = q.shape[2] // world
     mine = slice(rank * n, (rank + 1) * n)
     out = ring_attention(q[:, :, mine].clone(), k[:, :, mine].clone(), v[:, :, mine].clone())
@@ -341,6 +341,35 @@ def exercise_2(ring_attention):
     _check_ring_calls(calls, kv_bytes)
     for rank, out, _ in results:
         require_finite(out, f"rank {rank}'s output")
-    if all(torch.allclose(out.double(), want[rank], atol=ATOL) for rank, out, _ in results):
-        return
-    raise AssertionError(_name_the_mistake(results, q, k, v, want))
+    if not all(torch.allclose(out.double(), want[rank], atol=ATOL) for rank, out, _ in results):
+        raise AssertionError(_name_the_mistake(results, q, k, v, want))
+    _odd_ring(ring_attention)
+
+
+def _odd_ring(ring_attention, world=3, per_rank=5, head_dim=6):
+    """The same ring on 3 ranks of 5 positions, head dimension 6: a world size, a hop count or a block
+    length written for the 4 x 4 case shows. Against causal attention over the whole sequence (float64)."""
+    import torch
+
+    from ultrascale.series.checks import RankError
+
+    said = (f"your ring is right on {WORLD} ranks of 4 positions, but on {world} ranks of {per_rank} positions "
+            f"(head dimension {head_dim}) {{}}: take N from dist.get_world_size(), the hops (N - 1), the "
+            f"neighbours and every block's size from N and the tensors")
+    try:
+        results = on_ranks(world, _ring_case, ring_attention, 21, per_rank, head_dim, timeout=60)
+    except (AssertionError, RankError) as e:
+        raise AssertionError(said.format(f"it failed ({str(e).splitlines()[0][:160]})")) from None
+    q, k, v = results[0][2]
+    s = q.shape[2]
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(head_dim)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    full = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v.double()
+    for rank, out, _ in results:
+        want = full[:, :, rank * per_rank:(rank + 1) * per_rank]
+        if tuple(out.shape) != tuple(want.shape):
+            raise AssertionError(said.format(f"rank {rank} returns shape {tuple(out.shape)} for {tuple(want.shape)}"))
+        require_finite(out, f"rank {rank}'s output on {world} ranks")
+        if not torch.allclose(out.double(), want, atol=ATOL):
+            err = (out.double() - want).abs().max().item()
+            raise AssertionError(said.format(f"rank {rank}'s output differs from causal attention by {err:.2e}"))
