@@ -510,6 +510,32 @@ def exercise_1(fn, seeds=(1, 2)):
                                  f"the next backward would average and all-reduce every gradient again; keep each "
                                  f"handle register_post_accumulate_grad_hook returns and call handle.remove() at "
                                  f"the end")
+    _on_three_ranks(fn)
+
+
+def _on_three_ranks(fn, world=3, seed=4):
+    """The same answer on 3 ranks, 8 samples each, against one process on all 24: a world size written in
+    as 2 (a division by 2, a hook that expects one peer) shows here, where the 2-rank checks named the rest."""
+    import torch
+
+    samples = 8 * world
+    want = _flat(_single_process(overlap_model, seed, 16, 4, samples))
+    said = f"your data parallelism is right on {WORLD} ranks, but on {world} ranks ({samples} samples) {{}}"
+    try:
+        results = on_ranks(world, _ex1_on_rank, fn, seed, samples)
+    except RankError as e:
+        raise AssertionError(said.format(f"it failed ({str(e).splitlines()[0][:160]})")) from None
+    for rank, res in enumerate(results):
+        grads = _flat(res["grads"])
+        require_finite(grads, f"rank {rank}'s gradients on {world} ranks")
+        if torch.allclose(grads, want, rtol=1e-4, atol=1e-6):
+            continue
+        ratio = (grads @ want / (want @ want)).item()
+        how = (f"rank {rank}'s gradients are {ratio:.3f}x the whole batch's: divide the sum by "
+               f"dist.get_world_size(), not by a number (or all-reduce with ReduceOp.AVG)")
+        if abs(ratio - 1) < 1e-3:
+            how = f"rank {rank}'s gradients differ from the whole batch's: take every size from the group"
+        raise AssertionError(said.format(how))
 
 
 # ---- Exercise 2: buckets -------------------------------------------------------------------------
