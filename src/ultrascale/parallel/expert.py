@@ -27,11 +27,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ultrascale.distributed.flat import all_gather as _all_gather
+from ultrascale.distributed.flat import reduce_scatter as _reduce_scatter
 from ultrascale.model.moe import MoE, Experts
 from ultrascale.spans import comm
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _AllToAll(torch.autograd.Function):

@@ -33,14 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ultrascale.distributed.flat import all_gather as _all_gather
+from ultrascale.distributed.flat import reduce_scatter as _reduce_scatter
 from ultrascale.parallel.buckets import Bucket, LaunchOrder
 from ultrascale.parallel.grads import LocalGrads
 from ultrascale.parallel.precision import DTYPES, MainParams
 from ultrascale.spans import comm
-
-# torch 2.13 renamed the flat collectives; older releases in our range have only the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ShardedMainParams(MainParams):

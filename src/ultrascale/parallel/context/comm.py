@@ -20,13 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ultrascale.distributed.flat import all_gather as _all_gather
+from ultrascale.distributed.flat import reduce_scatter as _reduce_scatter
 from ultrascale.parallel.context.sharding import storage_order
 from ultrascale.spans import comm
 
 COUNTS: collections.Counter = collections.Counter()
-# Newer torch names them *_single (and deprecates the old names).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _count(phase: str, op: str) -> None:

@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ultrascale.distributed.flat import all_gather as _all_gather
+from ultrascale.distributed.flat import reduce_scatter as _reduce_scatter
 from ultrascale.spans import comm
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _all_reduce(x, group):
