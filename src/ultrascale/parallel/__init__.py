@@ -183,15 +183,12 @@ def optimizer_chunks(grads, names, ctx, writing: bool = False):
     rank reads all of its own.
     """
     from ultrascale.parallel.placement import chunks_of
-    from ultrascale.parallel.zero import ZeroDataParallel
 
     name_of = {id(p): n for p, n in zip(grads.params, names)}
     tp_rank = ctx.index("tp") if ctx.size("tp") > 1 else 0
-    sharded = isinstance(grads, ZeroDataParallel)
     out = []
-    replica = getattr(grads, "replica_index", lambda p: 0 if sharded else ctx.index("dp_cp"))
     for i, (p, start, end) in enumerate(grads.main_ranges()):
-        if writing and ((not hasattr(p, "tp_dim") and tp_rank) or replica(p)):
+        if writing and ((not hasattr(p, "tp_dim") and tp_rank) or grads.replica_index(p)):
             continue
         out += chunks_of(i, name_of[id(p)], p, tp_rank, start, end)
     return out

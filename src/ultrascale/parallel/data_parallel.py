@@ -33,6 +33,10 @@ class _DataParallel(LocalGrads):
         self.group, self.world = group, world
         super().__init__(params, dtype)
 
+    def replica_index(self, p) -> int:
+        """Every rank of the group holds the same replica: the first writes it."""
+        return dist.get_rank(self.group) if self.world > 1 else 0
+
 
 class NaiveDataParallel(_DataParallel):
     def finish(self) -> None:

@@ -50,7 +50,10 @@ class ExpertReplicas(LocalGrads):
 
 
 class _JoinedMain:
-    """The optimizer's tensors of several owners, one list (MainParams' interface)."""
+    """The optimizer's tensors of several owners, one list (OptimizerTensors; on the device: expert
+    parallelism does not offload)."""
+
+    where = None
 
     def __init__(self, mains):
         self.mains = mains
@@ -71,6 +74,9 @@ class _JoinedMain:
 
     def master_bytes(self) -> int:
         return sum(main.master_bytes() for main in self.mains)
+
+    def offloaded_bytes(self) -> int:
+        return 0
 
 
 class ExpertParallelGrads:
@@ -93,9 +99,10 @@ class ExpertParallelGrads:
         self.owners = [self.dense, self.expert]
         self.main = _JoinedMain([o.main for o in self.owners])
         # Weights of each gradient in the squared norm summed over dp_cp (module docstring).
-        self.norm_shares = ([1.0 if isinstance(self.dense, ZeroDataParallel) else 1.0 / dp] * len(self.dense.grads())
-                            + [1.0 if isinstance(self.expert, ZeroDataParallel) else 1.0 / edp]
-                            * len(self.expert.grads()))
+        self._norm_shares = ([1.0 if isinstance(self.dense, ZeroDataParallel) else 1.0 / dp]
+                             * len(self.dense.grads())
+                             + [1.0 if isinstance(self.expert, ZeroDataParallel) else 1.0 / edp]
+                             * len(self.expert.grads()))
         self._replica = {}
         for owner, group in ((self.dense, "dp_cp"), (self.expert, "edp")):
             for p in owner.params:
@@ -119,6 +126,9 @@ class ExpertParallelGrads:
 
     def grad_owners(self):
         return self.dense.grad_owners() + self.expert.grad_owners()
+
+    def norm_shares(self) -> list[float]:
+        return self._norm_shares
 
     def reduce_norm_sq(self, sq):
         with comm("grad_norm.all_reduce"):

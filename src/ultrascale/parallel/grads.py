@@ -16,12 +16,49 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from ultrascale.parallel.precision import MainParams
 from ultrascale.spans import comm
+
+
+class GradientSync(Protocol):
+    """The gradient owner (Megatron's DDP role): from the moment autograd writes a parameter's gradient
+    to the step, where it is accumulated (fp32 `main_grad`), when it is reduced (`no_sync` for all but the
+    last micro-batch, `finish` to wait), which piece of it this rank keeps; and the tensors the optimizer
+    updates (`main`, OptimizerTensors). Implemented by LocalGrads and its data-parallel subclasses
+    (data_parallel.py), ZeRO-1/2 (zero.py), ZeRO-3 (zero3.py) and the expert-parallel pair (expert_grads.py);
+    the trainer, the pipeline and checkpoints call only this."""
+
+    params: list
+    main: "OptimizerTensors"
+
+    def no_sync(self) -> contextlib.AbstractContextManager: ...
+
+    def finish(self) -> None: ...
+
+    def zero(self) -> None: ...
+
+    def grads(self) -> list[torch.Tensor]: ...
+
+    def grad_owners(self) -> list[torch.nn.Parameter]: ...
+
+    def norm_shares(self) -> list[float]: ...
+
+    def reduce_norm_sq(self, sq: torch.Tensor) -> torch.Tensor: ...
+
+    def param_tensors(self) -> list[torch.Tensor]: ...
+
+    def main_ranges(self) -> list[tuple[torch.nn.Parameter, int, int]]: ...
+
+    def replica_index(self, p: torch.nn.Parameter) -> int: ...
+
+    def full_params(self) -> list[torch.Tensor]: ...
+
+    def full_grads(self) -> list[torch.Tensor]: ...
 
 
 class LocalGrads:
@@ -89,9 +126,19 @@ class LocalGrads:
         """The parameter each entry of grads() belongs to (a ZeRO piece belongs to one parameter)."""
         return self.params
 
+    def norm_shares(self) -> list[float]:
+        """The weight of each entry of grads() in the squared norm reduce_norm_sq sums: 1 where each rank
+        adds its own piece, 1/copies where several ranks add the same replica."""
+        return [1.0] * len(self.grads())
+
     def reduce_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
         """Sum a squared gradient norm over ranks holding different pieces (ZeRO shards)."""
         return sq
+
+    def replica_index(self, p: torch.nn.Parameter) -> int:
+        """This rank's index among the ranks holding the same copy of p's optimizer state (0 writes it
+        in a checkpoint); 0 where each rank holds its own piece (one process, ZeRO's shards)."""
+        return 0
 
     def param_tensors(self):
         """The tensors holding this rank's parameters, for memory accounting."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -126,8 +127,33 @@ def check_dtype_support(dtype: str, device) -> None:
                           f"or a device with {dtype} support") from None
 
 
+class OptimizerTensors(Protocol):
+    """What the optimizer updates (Megatron's DistributedOptimizer role): `main`, one fp32 tensor per
+    parameter or per piece of one (ZeRO's shards), each with its `decay` flag; the gradients pointed at
+    them for a step, the updated values copied back into the model. `where` is None on the device, or
+    "cpu" / "disk" where --offload keeps them (and the optimizer's step with them). Implemented by
+    MainParams (here), ShardedMainParams (zero.py), OffloadedMain (offload.py) and the expert-parallel
+    join of two owners' (expert_grads.py)."""
+
+    main: list
+    decay: list[bool]
+    where: str | None
+
+    def attach_grads(self, grads: list[torch.Tensor]) -> None: ...
+
+    def detach_grads(self) -> None: ...
+
+    def copy_to_model(self) -> None: ...
+
+    def master_bytes(self) -> int: ...
+
+    def offloaded_bytes(self) -> int: ...
+
+
 class MainParams:
-    """The fp32 tensors the optimizer updates, one per model parameter."""
+    """The fp32 tensors the optimizer updates, one per model parameter (OptimizerTensors)."""
+
+    where = None  # on the device
 
     def __init__(self, params: list[nn.Parameter], dtype: str):
         self.params = params
@@ -160,3 +186,6 @@ class MainParams:
     def master_bytes(self) -> int:
         """Bytes of fp32 master copies (none in fp32: the optimizer updates the model in place)."""
         return sum(m.numel() * m.element_size() for m in self.main) if self.mixed else 0
+
+    def offloaded_bytes(self) -> int:
+        return 0

@@ -250,7 +250,7 @@ def _expert_norm_per_replica(owner):
     expert = getattr(owner, "expert", None)
     if expert is not None:
         n = len(expert.grads())
-        owner.norm_shares = owner.norm_shares[:len(owner.norm_shares) - n] + [1.0] * n
+        owner._norm_shares = owner._norm_shares[:len(owner._norm_shares) - n] + [1.0] * n
 
 
 def _inf_on_last_rank(owner):

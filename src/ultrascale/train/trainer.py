@@ -91,12 +91,11 @@ class Trainer:
         self.main = self.grads.main
         self.model_parallel_sq = parallel.grad_norm_reducer(ctx)
         # A tensor replicated on several ranks that all add to the norm counts 1/copies on each.
-        owner_shares = getattr(self.grads, "norm_shares", None) or [1.0] * len(self.grads.grad_owners())
         self.norm_shares = [getattr(p, "grad_norm_share", 1.0) * s
-                            for p, s in zip(self.grads.grad_owners(), owner_shares)]
+                            for p, s in zip(self.grads.grad_owners(), self.grads.norm_shares())]
         self.loss_fn = parallel.loss_function(ctx, cfg)
         # --offload: the main parameters live off the device, and so does the optimizer's step.
-        self.offloaded = self.main if hasattr(self.main, "offloaded_bytes") else None
+        self.offloaded = self.main if self.main.where else None
         self.opt = build_adamw(self.main.main, self.main.decay, t, self.offloaded)
         self.meter = ActivationMeter(list(self.model.parameters()) + list(self.model.buffers()))
         self.pipeline = parallel.pipeline_runtime(self.model, ctx, cfg, self.grads, self.loss_fn, self.meter)
