@@ -73,6 +73,14 @@ def merge_partials(out1, lse1, out2, lse2):
     torch.logaddexp(lse1, lse2, out=lse)
     return out, lse
 '''),
+    # Shifted by lse2 always, not by the larger: stable only while lse1 is not far above lse2.
+    (1, "shifted by lse2, not the max", "with lse1 200 above the other block's your merge gives inf/nan", '''
+def merge_partials(out1, lse1, out2, lse2):
+    lse = lse2 + torch.log1p(torch.exp(lse1 - lse2))
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
+    return w1 * out1 + w2 * out2, lse
+'''),
     (1, "weights swapped", "swapped", '''
 def merge_partials(out1, lse1, out2, lse2):
     lse = torch.logaddexp(lse1, lse2)

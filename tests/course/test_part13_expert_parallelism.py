@@ -238,6 +238,27 @@ def dispatch(tokens, expert_idx, n_experts, expert_forward):
     back, _ = exchange(torch.cat(outputs), from_rank)
     return torch.full_like(back, float("nan")).index_add_(0, order, back)
 '''),
+    # Destination counts by bincount without minlength: short where a rank sends nothing to the last rank.
+    (2, "destination counts without minlength", "minlength=world", '''
+def dispatch(tokens, expert_idx, n_experts, expert_forward):
+    """Each token to its expert's rank and back: the experts' outputs, in the tokens' order."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = n_experts // world  # experts per rank
+    order = torch.argsort(expert_idx, stable=True)
+    dest = expert_idx[order] // local
+    send_counts = torch.bincount(dest).tolist()          # rows for each rank
+    rows, recv_counts = exchange(tokens[order], send_counts)
+    ids, _ = exchange(expert_idx[order].unsqueeze(-1), send_counts)
+    ids = ids.squeeze(-1)
+    out = torch.empty_like(rows)
+    for e in ids.unique().tolist():
+        m = ids == e
+        out[m] = expert_forward(e, rows[m])
+    back, _ = exchange(out, recv_counts)
+    result = torch.empty_like(back)
+    result[order] = back
+    return result
+'''),
 ]
 
 RIGHT = [  # (exercise, label, answer source): unusual but right

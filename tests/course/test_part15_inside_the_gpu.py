@@ -110,6 +110,14 @@ def flash_attention_forward(q, k, v, block):
         row_max = new_max
     return acc / row_sum
 '''),
+    # One max for the whole block: any shift cancels in a row's softmax, but not when rows lie far apart.
+    (1, "one scalar max per block", "your max is one number for the whole block",
+     _FA_HEAD.replace("s.max(dim=-1, keepdim=True).values", "s.max()") + '''
+        row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
+        acc = acc * correction + p @ v_blk
+        row_max = new_max
+    return acc / row_sum
+'''),
     (1, "accumulator not rescaled", "you rescale row_sum but not acc", _FA_HEAD + '''
         row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
         acc = acc + p @ v_blk

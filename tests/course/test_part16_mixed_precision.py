@@ -35,7 +35,7 @@ WRONG = [  # (exercise, label, what the check must say, answer source)
     (1, "not unscaled", "still multiplied by the loss scale", _scaler(unscale="[g.float() for g in scaled_grads]")),
     (1, "multiplied to unscale", "you multiplied the gradients by the loss scale again",
      _scaler(unscale='[g.float() * state["scale"] for g in scaled_grads]')),
-    (1, "isinf misses NaN", "torch.isinf misses NaN", _scaler(check="any(torch.isinf(g).any() for g in scaled_grads)")),
+    (1, "isinf misses NaN", "your test catches an inf but not a NaN", _scaler(check="any(torch.isinf(g).any() for g in scaled_grads)")),
     (1, "only the last gradient tested", "you test only some of them",
      _scaler(check="not torch.isfinite(scaled_grads[-1]).all()")),
     (1, "count not reset", "the count of good steps must restart from 0", _scaler(backoff='state["scale"] /= 2')),
@@ -180,6 +180,49 @@ def quantize_e4m3(x):
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
     scale = fp8_max / x.half().abs().max()
     return (x.float() * scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn), scale
+
+
+def dequantize(q, scale):
+    return q.float() / scale
+'''),
+    # One reduction for the test: a sum of finite fp16 values can overflow by itself.
+    (1, "overflow tested on the fp16 sum", "a sum of fp16 values overflows where no value does", '''
+def scaler_step(scaled_grads, state, window):
+    """Unscaled fp32 gradients, or None to skip the step; updates state["scale"], state["good_steps"]."""
+    # one cheap reduction: if the sum is finite, nothing is inf or NaN
+    total = torch.stack([g.sum() for g in scaled_grads]).sum()
+    if not torch.isfinite(total):
+        state["scale"] /= 2
+        state["good_steps"] = 0
+        return None
+    grads = [g.float() / state["scale"] for g in scaled_grads]
+    state["good_steps"] += 1
+    if state["good_steps"] == window:
+        state["scale"] *= 2
+        state["good_steps"] = 0
+    return grads
+'''),
+    # The largest value, not the largest magnitude.
+    (2, "amax as the signed max", "your amax is x.max(), the largest signed value", '''
+def quantize_e4m3(x):
+    """(float8_e4m3fn tensor, float32 scale) with x ~= dequantize(q, scale)."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    amax = x.max().float()                       # the largest element
+    scale = torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax)).float()
+    return (x * scale).to(torch.float8_e4m3fn), scale
+
+
+def dequantize(q, scale):
+    return q.float() / scale
+'''),
+    # amax + 1e-6 against a division by zero: larger than amax itself for tiny gradients.
+    (2, "an epsilon added to amax", "an epsilon that is not small beside this amax", '''
+def quantize_e4m3(x):
+    """(float8_e4m3fn tensor, float32 scale) with x ~= dequantize(q, scale)."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    amax = x.abs().max().float()
+    scale = fp8_max / (amax + 1e-6)             # avoid dividing by zero
+    return (x.float() * scale).to(torch.float8_e4m3fn), scale.float()
 
 
 def dequantize(q, scale):

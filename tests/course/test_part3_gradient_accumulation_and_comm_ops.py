@@ -136,6 +136,9 @@ def accumulate_gradients(model, loss_fn, x, y, num_micro_batches):
     # The ring's length taken from t.chunk's pieces: right where N divides the tensor, short on 6 elements.
     (2, "a ring over the pieces of t.chunk", "your ring went round 3 chunks in 4 steps",
      ring("    chunks = list(t.tensor_split(world))\n", "    chunks = list(t.chunk(world))\n    world = len(chunks)\n")),
+    # A chunk rebound to a new tensor in the reduce-scatter: both phases run, and t never sees their sums.
+    (2, "a chunk rebound, not written in place", "A chunk rebound (chunks[j] = chunks[j] + buf) is a new tensor",
+     ring("        chunks[into] += buf", "        chunks[into] = chunks[into] + buf")),
     (2, "reduce-scatter only", "add the all-gather phase", ring('''
     for step in range(world - 1):
         out, into = (rank + 1 - step) % world, (rank - step) % world

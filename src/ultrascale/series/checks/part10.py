@@ -129,6 +129,19 @@ def exercise_1(merge_partials):
     scale = torch.logaddexp(big1, big2)
     want = torch.exp(big1 - scale).unsqueeze(-1) * o1 + torch.exp(big2 - scale).unsqueeze(-1) * o2
     assert torch.allclose(out, want, atol=ATOL), "with large scores (lse around 200) the merge loses accuracy"
+    # Far apart, each way round: one block's lse 200 above the other's. A shift by one fixed side
+    # (lse2 + log1p(exp(lse1 - lse2))) overflows when the other side is the larger; the max never does.
+    for name, (a, b) in (("lse1", (l1 + 200.0, l2)), ("lse2", (l1, l2 + 200.0))):
+        out, lse = _merge(merge_partials, o1, a, o2, b)
+        scale = torch.logaddexp(a, b)
+        want = torch.exp(a - scale).unsqueeze(-1) * o1 + torch.exp(b - scale).unsqueeze(-1) * o2
+        finite = bool(torch.isfinite(out).all() and torch.isfinite(lse).all())
+        if not finite or not torch.allclose(out, want, atol=ATOL) or not torch.allclose(lse, scale, atol=1e-3):
+            raise AssertionError(
+                f"with {name} 200 above the other block's your merge gives "
+                f"{'inf/nan' if not finite else 'another result'}: exp() of a difference overflows when it is "
+                f"taken against the smaller lse; shift by the larger, m = max(lse1, lse2), "
+                f"lse = m + log(exp(lse1 - m) + exp(lse2 - m)) (torch.logaddexp does)")
 
 
 # -- exercise 2 -----------------------------------------------------------------------------------

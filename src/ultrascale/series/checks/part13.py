@@ -171,9 +171,10 @@ SEED = 130
 
 
 def _dispatch_inputs(seed, rank):
-    """Rank `rank`'s tokens [T, h] and their experts [T]. Every rank sends to the last rank, rank 1 sends
-    nothing to rank 2 (a send count of 0: counts read off the experts present, `unique`, come out short) and
-    rank 2 routes nothing to the last expert (a `bincount` without `minlength` comes out short)."""
+    """Rank `rank`'s tokens [T, h] and their experts [T]. Every rank but the last sends to the last rank,
+    rank 1 sends nothing to rank 2 (a send count of 0: counts read off the experts present, `unique`, come
+    out short), rank 2 routes nothing to the last expert (a `bincount` of experts without `minlength` comes
+    out short) and the last rank nothing to itself (so does a `bincount` of destination ranks)."""
     import torch
 
     g = torch.Generator().manual_seed(seed + rank)
@@ -185,6 +186,8 @@ def _dispatch_inputs(seed, rank):
         expert_idx[expert_idx // local == 2] -= 2 * local
     if rank == 2:
         expert_idx[expert_idx == EXPERTS - 1] = EXPERTS - 2
+    if rank == WORLD - 1:
+        expert_idx[expert_idx // local == rank] -= rank * local
     return tokens, expert_idx
 
 
@@ -235,7 +238,7 @@ def _run_dispatch(dispatch, calls):
             raise AssertionError(
                 f"a rank died during the exchange ({str(e).splitlines()[-1][:120]}): gloo ends a process when a "
                 f"peer sends another number of rows than it expects. Every rank's send counts need one entry per "
-                f"rank, 0 included (rank 1 sends nothing to rank 2): count the tokens per destination rank with "
+                f"rank, 0 included (rank 1 sends nothing to rank 2, rank {WORLD - 1} nothing to itself, the last entry): count the tokens per destination rank with "
                 f"torch.bincount(expert_idx // experts_per_rank, minlength=world), and the counts must add up to "
                 f"the rows sent") from None
         if "split" in first.lower() or "invalid tensor size" in first:

@@ -160,13 +160,16 @@ _STABILISERS = ("max", "amax", "maximum", "fmax", "logsumexp", "logaddexp", "log
 
 
 def _cases(g):
-    """(m, n, d, block, spread, offset, falling): sizes that do and do not divide into blocks; scores moved
-    by `offset` (a constant a row's softmax ignores) far enough that exp() of a raw score overflows (+100)
-    or underflows to 0 (-110) in float32: only the running max (or log-sum-exp) keeps them finite; and
+    """(m, n, d, block, spread, offset, falling, apart): sizes that do and do not divide into blocks; scores
+    moved by `offset` (a constant a row's softmax ignores) far enough that exp() of a raw score overflows
+    (+100) or underflows to 0 (-110) in float32: only the running max (or log-sum-exp) keeps them finite;
     a first block scoring 100 above the others, where a running max taken as the block's own max falls and
-    exp(old_max - new_max) overflows (elsewhere the keys rise, so that every block rescales)."""
-    return ((8, 64, 16, 16, 1.0, 0.0, False), (5, 50, 8, 12, 3.0, 0.0, False), (6, 40, 8, 16, 1.0, 100.0, False),
-            (7, 33, 8, 8, 1.0, -110.0, False), (6, 48, 8, 16, 1.0, 0.0, True))
+    exp(old_max - new_max) overflows (elsewhere the keys rise, so that every block rescales); and rows
+    120 apart (every other row moved down), where one max for the whole block, not one per row, leaves the
+    lower rows' exp() at 0."""
+    return ((8, 64, 16, 16, 1.0, 0.0, False, False), (5, 50, 8, 12, 3.0, 0.0, False, False),
+            (6, 40, 8, 16, 1.0, 100.0, False, False), (7, 33, 8, 8, 1.0, -110.0, False, False),
+            (6, 48, 8, 16, 1.0, 0.0, True, False), (6, 40, 8, 10, 1.0, 0.0, False, True))
 
 
 def exercise_1(flash_attention_forward):
@@ -175,7 +178,7 @@ def exercise_1(flash_attention_forward):
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(15)
-    for m, n, d, block, spread, offset, falling in _cases(g):
+    for m, n, d, block, spread, offset, falling, apart in _cases(g):
         q = torch.randn(m, d, generator=g) * spread
         k = torch.randn(n, d, generator=g) * spread
         if offset:  # the last dimension adds offset to every score: q's is offset * sqrt(d), k's is 1
@@ -187,6 +190,9 @@ def exercise_1(flash_attention_forward):
         if falling:  # the first block's scores 50 above the row's others, the rest 50 below: the max falls by 100
             q[:, -1], k[:, -1] = 50.0 * math.sqrt(d), -1.0
             k[:block, -1] = 1.0
+        if apart:  # every other row's scores 120 below the rows beside it
+            q[:, -1], k[:, -1] = 0.0, 1.0
+            q[1::2, -1] = -120.0 * math.sqrt(d)
         keys = k.clone()
         with _Watch(m, n, keys) as watch:
             got = flash_attention_forward(q.clone(), keys, v.clone(), block)
@@ -199,6 +205,11 @@ def exercise_1(flash_attention_forward):
             f"the output has shape {tuple(got.shape)}; one row per query, one column per value dimension: "
             f"{tuple(want.shape)}")
         if not torch.isfinite(got).all():
+            if apart:
+                raise AssertionError("a NaN or an infinity in your output where every other row's scores are 120 "
+                                     "below the rows beside it: your max is one number for the whole block, so the "
+                                     "lower rows' exp(s - max) are all 0 and their sum is 0; each row needs its own "
+                                     "running max, s.max(dim=-1, keepdim=True)")
             if offset and not set(_STABILISERS) & watch.called:
                 raise AssertionError(f"a NaN or an infinity in your output where every score is near {offset:+.0f}: "
                                      f"exp() of a raw score is {'inf' if offset > 0 else '0'} in float32. The online "

@@ -43,6 +43,8 @@ def _script():
         ("a NaN", grads(1e-6, nan=True)),      # NaN: skip
         ("medium gradients", grads(0.25)),     # 2^15 * 0.375 = 12288: fine
         ("small gradients", grads(1e-6)),
+        # 2^15 * 0.6 = 19661 each, all of one sign: every value finite, their fp16 sum (786,432) is not
+        ("large gradients of one sign", [torch.full((40,), 0.6), torch.full((3, 5), 0.6)]),
     ]
 
 
@@ -67,8 +69,9 @@ def _why_not_skipped(scaler_step, scaled, has_nan) -> str:
         return ("an inf or a NaN in one of the gradients went unnoticed: you test only some of them; one bad "
                 "gradient spoils the step, test all: all(torch.isfinite(g).all() for g in scaled_grads)")
     if has_nan and caught[(0, "inf")] and not caught[(0, "nan")]:
-        return ("the gradients hold a NaN and you did not skip: torch.isinf misses NaN; test with "
-                "torch.isfinite(g).all()")
+        return ("the gradients hold a NaN and you did not skip: your test catches an inf but not a NaN (as "
+                "torch.isinf does, or a comparison such as g.abs().max() > 65504: every comparison with NaN is "
+                "False); test with torch.isfinite(g).all()")
     kind = "a NaN" if has_nan else "an inf"
     return (f"the gradients hold {kind} and you returned them: skip the step (return None), or the optimizer writes "
             f"inf/NaN into the weights")
@@ -107,9 +110,12 @@ def exercise_1(scaler_step):
                                      f"(it is {state['good_steps']}): growth needs `window` good steps in a row")
             continue
         if got is None:
+            summed = not all(torch.isfinite(x.sum()) for x in scaled)  # in fp16, as the gradients are
             raise AssertionError(f"{where}: every gradient is finite (largest |g| * scale "
                                  f"{max(x.float().abs().max().item() for x in scaled):.4g} < 65504) but you skipped "
-                                 f"the step: skip only on inf or NaN")
+                                 f"the step: skip only on inf or NaN" + (
+                                     "; a sum of fp16 values overflows where no value does (this step's does): "
+                                     "test each value, torch.isfinite(g).all()" if summed else ""))
         assert isinstance(got, (list, tuple)) and len(got) == len(fp32), (
             f"{where}: return a list with one unscaled gradient per input gradient")
         require_finite(list(got), f"your unscaled gradients at {where}")  # every scaled one was finite
@@ -196,6 +202,11 @@ def _check_fp8(what, x, q, scale, back, fi):
     if amax > 0 and how == "divides" and math.isclose(s, fi.max / amax, rel_tol=1e-3):
         raise AssertionError(f"{what}: you divide by 448 / amax: that takes amax to amax² / 448 = {lands:.3g}, not "
                              f"to 448; divide by amax / 448, or multiply by 448 / amax (and dequantize divides)")
+    signed = x.max().double().item()
+    if 0 < signed < amax and math.isclose(lands, fi.max * amax / signed, rel_tol=1e-3):
+        raise AssertionError(f"{what}: your amax is x.max(), the largest signed value ({signed:.4g}); the largest "
+                             f"magnitude here is negative ({x.min().item():.4g}) and lands at {-lands:.4g}, beyond "
+                             f"-448: amax = x.abs().max()")
     if not torch.isfinite(q.float()).all():
         raise AssertionError(f"{what}: q holds NaN: your scale puts amax at {lands:.4g}, and e4m3fn has no "
                              f"infinity: a value beyond 448 becomes NaN. Take the scale from amax so that amax "
@@ -216,10 +227,13 @@ def _check_fp8(what, x, q, scale, back, fi):
                              f"saturates at 448 and loses its value; take the scale so that amax lands at most at 448 "
                              f"(a power of two, round it down)")
     if amax > 0 and lands < fi.max / 2 * (1 - 1e-6):
+        eps = fi.max / lands * amax - amax if how == "multiplies" else 0.0  # what was added to amax, if anything
+        added = (f"; your scale is 448 / (amax + {eps:.1g}): an epsilon that is not small beside this amax "
+                 f"({amax:.1g}); keep amax from 0 with amax.clamp(min=1e-12) instead" if amax < eps < 1e-2 else "")
         raise AssertionError(f"{what}: the largest |x| lands at {lands:.4g}, less than half of e4m3's 448: the scale "
                              f"wastes the format's range, and the small values fall into the subnormals or flush "
                              f"to 0 for nothing; map amax to 448 (or within a factor 2 below it: a power-of-two "
-                             f"scale rounded down)")
+                             f"scale rounded down)" + added)
     dequantised = q.double() / factor
     if not torch.allclose(back.double(), dequantised, rtol=1e-5, atol=0):
         if how == "multiplies" and torch.allclose(back.double(), q.double() * s, rtol=1e-5, atol=0):
@@ -239,6 +253,15 @@ def _check_fp8(what, x, q, scale, back, fi):
         assert rel < 0.05, f"{what}: round-trip relative error {rel:.3f}, e4m3 gives about 0.02"
 
 
+def _negative_peak(g):
+    import torch
+
+    x = torch.randn(64, 32, generator=g) * 10
+    x = x.clamp(-60, 60)
+    x[5, 7] = -200.0
+    return x
+
+
 def exercise_2(quantize_e4m3, dequantize):
     """quantize_e4m3(x) -> (float8_e4m3fn q, scale); dequantize(q, scale) -> float32 x. Judged by the range and
     the round trip: either convention (multiply by 448 / amax, or divide by amax / 448), any scale that puts
@@ -252,6 +275,10 @@ def exercise_2(quantize_e4m3, dequantize):
     cases = [("gradients around 1e-6", grads),
              ("activations around 1e3", torch.randn(64, 32, generator=g) * 1e3),
              ("weights around 0.02", torch.randn(64, 32, generator=g) * 0.02),
+             # amax is a magnitude: here the largest one is negative (a signed max finds 3x less)
+             ("activations around 10, the largest -200", _negative_peak(g)),
+             # far below an epsilon added to amax for safety (1e-6 would halve 448 / amax and more)
+             ("gradients around 1e-8", torch.randn(64, 32, generator=g) * 1e-8),
              ("a tensor of zeros (a frozen layer's gradients)", torch.zeros(16, 8))]
     for what, x in cases:
         got = quantize_e4m3(x.clone())

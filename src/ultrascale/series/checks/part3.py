@@ -358,7 +358,7 @@ def _coefficients(results, rank, chunk):
     return [round(v, 3) for v in c.tolist()], resid
 
 
-def _diagnose(results):
+def _diagnose(results, calls=None):
     """What each rank's t holds, chunk by chunk, as a combination of the ranks' inputs: names the phase
     that went wrong."""
     n = len(results)
@@ -371,6 +371,12 @@ def _diagnose(results):
                              f"op (SUM) adds: do not divide by the world size")
     summed = [sum(all(abs(c - 1) < 1e-3 for c in table[rank, j][0]) for j in range(n)) for rank in range(n)]
     partial = all(resid < 1e-4 and all(-1e-3 < c < 1 + 1e-3 for c in cs) for cs, resid in table.values())
+    if all(s == 1 for s in summed) and partial and calls and all(len(_sends(m)) == 2 * (n - 1) for m in calls):
+        raise AssertionError(f"each rank ends with one summed chunk and partial sums in the others, though every "
+                             f"rank sent 2(N-1) = {2 * (n - 1)} chunks: what the steps computed did not reach t. A "
+                             f"chunk rebound (chunks[j] = chunks[j] + buf) is a new tensor, no longer a view of t, "
+                             f"and what is sent or copied from then on misses t; write in place: chunks[j] += buf, "
+                             f"chunks[j].copy_(buf)")
     if all(s == 1 for s in summed) and partial:
         raise AssertionError("each rank ends with one summed chunk and partial sums in the others: that is the "
                              "reduce-scatter phase alone - add the all-gather phase, which passes the summed chunks "
@@ -438,7 +444,7 @@ def _judge(results, calls, numel):
     _tail(results, numel)
     if any((r["output"] - r["reference"]).abs().max().item() >= 1e-5 for r in results):
         _fewer_pieces(calls, numel)
-        _diagnose(results)
+        _diagnose(results, calls)
     for rank, r in enumerate(results):
         err = (r["output"] - r["reference"]).abs().max().item()
         assert err < 1e-5, (f"with {numel} elements rank {rank}'s result differs from dist.all_reduce by up to "

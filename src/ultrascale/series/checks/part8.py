@@ -255,15 +255,18 @@ def _ce_tensors(seed, shift):
     return logits, targets
 
 
-def _ce_case(vocab_parallel_ce, seed, shift):
-    """On each rank: its columns of the logits -> the learner's loss (None if not one number)."""
+def _ce_case(vocab_parallel_ce, seed, shift, reversed_shards=False):
+    """On each rank: its columns of the logits -> the learner's loss (None if not one number).
+    reversed_shards: rank r holds shard world - 1 - r, as a tensor-parallel rank that is not the global
+    rank would (a dp x tp grid): the shard's first id is vocab_start, never rank * n."""
     import torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     logits, targets = _ce_tensors(seed, shift)
     n = VOCAB // world
-    loss = vocab_parallel_ce(logits[:, rank * n:(rank + 1) * n].clone(), targets.clone(), rank * n)
+    shard = world - 1 - rank if reversed_shards else rank
+    loss = vocab_parallel_ce(logits[:, shard * n:(shard + 1) * n].clone(), targets.clone(), shard * n)
     assert loss is not None, "vocab_parallel_ce returned None: return the mean loss"
     loss = torch.as_tensor(loss)
     return float(loss.detach().double().reshape(-1)[0]) if loss.numel() == 1 else None
@@ -412,3 +415,14 @@ def exercise_2(vocab_parallel_ce):
             assert got is not None, f"rank {rank} returned more than one number: return the mean loss, a scalar"
             if abs(got - want) > _ce_bound() * max(1.0, abs(want)):
                 _ce_mistake(rank, got, want, variants, shift)
+    # The shards the other way round: rank 0 holds ids n..2n-1 and is told so by vocab_start.
+    results = on_ranks(WORLD, _ce_case, vocab_parallel_ce, 84, 0.0, True, timeout=60)
+    logits, targets = _ce_tensors(84, 0.0)
+    want = F.cross_entropy(logits.double(), targets).item()
+    for rank, got in enumerate(results):
+        if got is None or abs(got - want) > _ce_bound() * max(1.0, abs(want)):
+            raise AssertionError(
+                f"with the shards the other way round (rank 0 holding ids {VOCAB // WORLD}..{VOCAB - 1}, "
+                f"vocab_start = {VOCAB // WORLD}) rank {rank}'s loss is {'not one number' if got is None else f'{got:.6f}'} where the whole batch's is "
+                f"{want:.6f}: take the shard's first id from vocab_start, not from dist.get_rank(); on a dp x tp "
+                f"grid the tensor-parallel rank is not the global rank")
