@@ -478,7 +478,8 @@ playbook's order:
 1. **Valid and fits**: `dp * pp * tp == gpus`; `tp <= 8` (one node) and `tp` divides `heads`; `pp`
    divides `layers`; `dp` divides the `sequences` of the global batch; `memory_per_gpu(...) <= limit`.
 2. **Fastest**: among those, the highest `tokens_per_s`.
-3. **Ties go to the simpler layout**: every layout within 1% of the fastest counts as a tie; among them
+3. **Ties go to the simpler layout**: every layout within 1% of the fastest counts as a tie, 1% of the
+   fastest's speed: `tokens_per_s >= 0.99 * best` (a layout exactly 1% slower ties); among them
    take the fewest pipeline stages, then the fewest tp ranks. (The planner's own band is its whole error,
    ±20.5%, and it puts memory headroom first inside it: a planner's caution; yours is the rule.)
 
