@@ -60,11 +60,9 @@ def _worker(rank: int, world: int, port: int, tasks, results, owner: int):
 
 
 # What every worker imports, imported once in the server its workers are forked from (and the
-# command line, whose runs testing/cli.py forks from the same server). AOTAutograd and inductor's
-# compile_fx are what a first torch.compile imports (some 580 modules, a second and more a rank): once
-# here, not in every rank of every pool that compiles.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd", "torch._inductor.compile_fx",
-            "ultrascale.train.trainer", "ultrascale.testing.compare", "ultrascale.cli"]
+# command line, whose runs testing/cli.py forks from the same server).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ultrascale.train.trainer", "ultrascale.testing.compare",
+            "ultrascale.cli"]
 
 
 def warm_context():
