@@ -160,6 +160,18 @@ def test_a_rank_still_inside_a_collective_its_peer_has_left_is_finishing_not_dea
                                                  "rank 1 waits in recv from rank 0, 16 B")
 
 
+def test_a_recv_whose_sender_has_left_its_send_is_finishing_not_deadlocked(tmp_path):
+    # Rank 0 has sent its 3rd message to rank 1 (the data is on its way) and waits in the next all-reduce;
+    # rank 1 is still inside its 3rd recv from rank 0. Each line counts the sends and recvs its rank has
+    # entered per peer: the recv is answered. Had rank 0 entered only 2 sends to rank 1, nothing would move.
+    _status(tmp_path, 0, 60, "all_reduce@0,1#4:64|0,1#4/send>1#3 all_reduce SUM over ranks [0, 1], 64 B")
+    _status(tmp_path, 1, 60, "recv<0:16|0,1#3/recv<0#3 recv from rank 0, 16 B")
+    assert stalled(str(tmp_path), [0, 1], 2) is None
+    _status(tmp_path, 0, 60, "all_reduce@0,1#4:64|0,1#4/send>1#2 all_reduce SUM over ranks [0, 1], 64 B")
+    assert stalled(str(tmp_path), [0, 1], 2) == ("rank 0 waits in all_reduce SUM over ranks [0, 1], 64 B; "
+                                                 "rank 1 waits in recv from rank 0, 16 B")
+
+
 SLOW = notebook('''
 import torch
 import torch.distributed as dist

@@ -101,7 +101,8 @@ def sent(calls) -> int:
 _RECORD: list[Call] | None = None
 _STATUS: str | None = None  # this rank's file, where a blocking call is announced
 _DEPTH = [0]  # inside a wrapped call: the calls it makes itself are its own business
-_SEQ: dict = {}  # group -> collectives called on it so far: the n-th on a group is the same call on each rank
+_SEQ: dict = {}  # group -> collectives called on it so far: the n-th on a group is the same call on each rank;
+#                 "send>P" / "recv<P" -> sends to / receives from rank P entered so far
 _PENDING: list = []  # every request handed to the learner (_WatchedWork), waited for or not
 
 
@@ -139,7 +140,8 @@ def _announce(line: str | None, key: str = "-") -> None:
     # With the key, how many collectives this rank has entered on each group: a rank still inside the n-th
     # collective of a group that every other member has entered (one may have left it already, its part
     # done, and be blocked further on) is finishing, not deadlocked.
-    entered = "/".join(f"{','.join(map(str, group))}#{n}" for group, n in _SEQ.items())
+    entered = "/".join(f"{group if isinstance(group, str) else ','.join(map(str, group))}#{n}"
+                       for group, n in _SEQ.items())
     with open(part, "w") as f:
         f.write("" if line is None else f"{time.time()} {key}|{entered} {line}")
     os.replace(part, _STATUS)
@@ -149,8 +151,11 @@ def _key(call: Call) -> str:
     """Which call this is, in words the other ranks' keys can be matched against: "send>1:64" and
     "recv<0:64" take each other's message; "all_reduce@0,1#3:64" is the same collective on ranks 0 and 1."""
     if call.kind in ("send", "isend"):
+        _SEQ[f"send>{call.peer}"] = _SEQ.get(f"send>{call.peer}", 0) + 1
         return f"send>{call.peer}:{call.bytes}"
     if call.kind in ("recv", "irecv"):
+        if call.peer is not None:
+            _SEQ[f"recv<{call.peer}"] = _SEQ.get(f"recv<{call.peer}", 0) + 1
         return f"recv<{'*' if call.peer is None else call.peer}:{call.bytes}"
     kind = _SAME.get(call.kind, call.kind)
     _SEQ[call.group] = n = _SEQ.get(call.group, 0) + 1
@@ -385,6 +390,13 @@ def _answered(blocked: dict, entered: dict | None = None) -> bool:
         if key.startswith("send>"):
             peer, size = key[len("send>"):].split(":", 1)
             if peer.isdigit() and blocked.get(int(peer)) in (f"recv<{rank}:{size}", f"recv<*:{size}"):
+                return True
+        elif key.startswith("recv<"):
+            # The sender may have left its send already (its part done: the message is on its way) and be
+            # blocked further on: the j-th receive from P is answered once P has entered its j-th send here.
+            peer = key[len("recv<"):].split(":", 1)[0]
+            j = entered.get(rank, {}).get(f"recv<{peer}", 0)
+            if peer.isdigit() and j and entered.get(int(peer), {}).get(f"send>{rank}", 0) >= j:
                 return True
         elif "@" in key and "#" in key:
             members, n = key.split("@", 1)[1].split(":", 1)[0].split("#", 1)
