@@ -193,3 +193,23 @@ def test_a_slow_collective_is_not_called_a_deadlock(monkeypatch):
     # The calls here outlast a stall of a millisecond each time the pool asks, and none is a deadlock.
     monkeypatch.setattr(watch, "STALL", 0.001)
     assert on_ranks(2, SLOW["slow_but_live"], timeout=200) == [0.0, 0.0]
+
+
+# The notebooks bind the flat collectives under short names, as the engine's own rooms do (distributed/flat.py).
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _uses_reduce_scatter(out, inp):
+    reduce_scatter(out, inp)
+
+
+def test_a_collective_bound_under_another_name_reaches_the_ranks_by_its_own_name():
+    # Shipped by its own module and name, a rank looks it up where the check's watch wraps it; handed over
+    # from a module that holds the same object under the same short name, it would be the bare original,
+    # and a learner's reduce-scatter would go unseen.
+    import ultrascale.distributed.flat  # noqa: F401 - holds the same function as `reduce_scatter`
+    from ultrascale.series.ranks import _bundle
+
+    bundle = _bundle(_uses_reduce_scatter)
+    assert "reduce_scatter" not in bundle["from_imports"], bundle["from_imports"]
+    assert "reduce_scatter" in bundle["values"]

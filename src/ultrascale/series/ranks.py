@@ -172,6 +172,13 @@ def _module_holding(name: str, value):
         return None  # small values: as cheap to copy, and a copy cannot go stale
     main = sys.modules.get("__main__")
     own = getattr(value, "__module__", None)  # a function's or class's home, tried first
+    qualname = getattr(value, "__qualname__", None)
+    if isinstance(own, str) and isinstance(qualname, str) and own in sys.modules and \
+            getattr(sys.modules[own], qualname, None) is value:
+        # Importable under its own name (dist.reduce_scatter_single bound as `reduce_scatter`): pickled by
+        # reference, it is looked up there in the new process, where the check's watch may have wrapped it;
+        # another module that happens to hold it under the same name would hand over the bare original.
+        return None
     names = ([own] if isinstance(own, str) and own in sys.modules else []) + list(sys.modules)
     for module_name in names:
         module = sys.modules.get(module_name)
