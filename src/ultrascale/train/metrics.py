@@ -16,6 +16,7 @@ Memory is measured on the tensors themselves, not predicted:
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -79,13 +80,22 @@ class ActivationMeter:
         self.param_storages = {t.untyped_storage()._cdata for t in model_tensors}
         self.saved: dict[int, int] = {}
         self.peak = 0
+        self._disabled_pack = None  # _packer's, made on first use under --compile
 
-    # Bookkeeping, not model code: under --compile dynamo would otherwise trace this hook as a frame of
-    # its own, once for every shape and dtype autograd saves, and recompile it until its limit.
-    @torch.compiler.disable
     def _pack(self, t):
         self.record(t)
         return t
+
+    def _packer(self):
+        """The pack hook, kept out of dynamo where dynamo is loaded (--compile): bookkeeping, not model code,
+        it would otherwise be traced as a frame of its own, once for every shape and dtype autograd saves,
+        and recompiled until its limit. Where nothing compiles, the plain method: torch.compiler.disable
+        would import dynamo (over a second) into every process that trains."""
+        if "torch._dynamo" not in sys.modules:
+            return self._pack
+        if self._disabled_pack is None:
+            self._disabled_pack = torch.compiler.disable(self._pack)
+        return self._disabled_pack
 
     def record(self, t) -> None:
         if not torch.is_tensor(t) or t.device.type == "meta":
@@ -101,7 +111,7 @@ class ActivationMeter:
         self.saved = {}
         prev, _ACTIVE = _ACTIVE, self
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(self._packer(), lambda t: t):
                 yield
         finally:
             _ACTIVE = prev
