@@ -516,7 +516,7 @@ def exercise_1(fn, seeds=(1, 2)):
 def _on_three_ranks(fn, world=3, seed=4):
     """The same answer on 3 ranks, 8 samples each, against one process on all 24: a world size written in
     as 2 (a division by 2, a hook that expects one peer) shows here, where the 2-rank checks named the rest."""
-    import torch
+    from ultrascale.testing.tolerance import FP32_REORDER
 
     samples = 8 * world
     want = _flat(_single_process(overlap_model, seed, 16, 4, samples))
@@ -528,7 +528,8 @@ def _on_three_ranks(fn, world=3, seed=4):
     for rank, res in enumerate(results):
         grads = _flat(res["grads"])
         require_finite(grads, f"rank {rank}'s gradients on {world} ranks")
-        if torch.allclose(grads, want, rtol=1e-4, atol=1e-6):
+        # The same fp32 sums in another order (3 ranks' partial batches): the fp32-reordering class's bound.
+        if ((grads - want).norm() / want.norm()).item() <= FP32_REORDER.tolerance.grad_rtol:
             continue
         ratio = (grads @ want / (want @ want)).item()
         how = (f"rank {rank}'s gradients are {ratio:.3f}x the whole batch's: divide the sum by "
