@@ -481,7 +481,7 @@ playbook's order:
 3. **Ties go to the simpler layout**: every layout within 1% of the fastest counts as a tie, 1% of the
    fastest's speed: `tokens_per_s >= 0.99 * best` (a layout exactly 1% slower ties); among them
    take the fewest pipeline stages, then the fewest tp ranks. (The planner's own band is its whole error,
-   ±20.5%, and it puts memory headroom first inside it: a planner's caution; yours is the rule.)
+   ±17.7%, and it puts memory headroom first inside it: a planner's caution; yours is the rule.)
 
 The check first uses hand-made functions where each rule decides the answer, then the planner's own
 memory and time models (Llama 3 8B and 70B on H100, H200 and A100 clusters, one sequence per micro-batch,

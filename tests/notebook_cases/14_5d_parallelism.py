@@ -20,7 +20,7 @@ PRINTED = [
     "  tp8 pp1 dp8    707 tok/s/GPU: compute 14.88  tp comm 4.57",
     "3,287 runs, 1,758 finished",
     "mean Spearman (tokens/s/GPU, per group) 0.813",
-    "54 layouts lie within the time model's error (±20.5%) of the fastest",
+    "38 layouts lie within the time model's error (±17.7%) of the fastest",
     "sync: 20 µs per ring step of a collective on the critical path, x8 inside a pipeline (calibration.py); "
     "0.2 ms x nodes² per micro-batch, 0.82 s at 64 nodes (hardware.py)",
     "   1 nodes:  0.98, p90 1.16; bytes and FLOPs alone  1.02  (69 runs, median measured MFU 37.8%)",
@@ -33,7 +33,7 @@ PRINTED = [
     "  calibrated on 3B + 80B: collective_step_s 20 us, pipeline_sync_factor 8, node_pair_sync_s 0.2 ms",
     "(all in [0.8, 1.25]); mean Spearman 0.802",
     "(all in [0.8, 1.25]); mean Spearman 0.822",
-    "7 of the 42 layouts that fit lie within ±20.5% of the fastest",
+    "7 of the 42 layouts that fit lie within ±17.7% of the fastest",
     "planner's choice for the tiny model: dp4 tp1 pp1 zero0 rc:none mbs2 ga1",
     "with --tp 2:                         dp2 tp2+sp pp1 zero0 rc:none mbs4 ga1",
     "[parallel]\ndp = 2\ntp = 2",

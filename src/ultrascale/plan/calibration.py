@@ -45,6 +45,9 @@ class Framework:
     # micro-batch, so the collectives of the blocks after it are paid as the CPU launches them.
     pipeline_sync_factor: float = 1.0
     help: str = ""
+    # The kernels the time constants above were set on: a run on other kernels (--kernels) adds or saves
+    # only what the difference moves through HBM (plan/passes.py).
+    kernels_timed: str = "fused"
     # -- more implementation facts (activations.ActivationSpec) ----------------
     attention: str = "flash"  # flash | eager (keeps the s x s softmax) | math (SDPA's math backend, fp32)
     # Context parallelism's block attention (ring, zig-zag, all-gather): "eager" where each block's
@@ -66,6 +69,10 @@ class Framework:
     # tp-cp-ep-dp-pp, torchtitan's pp-outermost mesh, DeepSeek-V3's EP64 over 8 nodes); False: our
     # engine's grid, where an expert group's dp ranks lie pp·cp·tp apart (plan/time.py, expert_ranks).
     ep_fills_nodes: bool = True
+    # Tensor parallelism's collectives cut into tp pieces that run beside the matmuls they feed (Megatron's
+    # --tp-comm-overlap, torchtitan's async TP: all-gather-matmul and matmul-reduce-scatter), with sequence
+    # parallelism: only the first piece and what exceeds the matmuls show (plan/time.py, _exposed_tp).
+    tp_overlap: bool = False
     # DeepSeek-V3's activation storage (plan/activations.py, _deepseek_terms): linears' inputs kept in FP8,
     # and RMSNorm outputs and MLA's up-projections recomputed in backward.
     fp8_cache: bool = False
@@ -80,7 +87,7 @@ FRAMEWORKS = {
         # plan/data/cpu_runs.json): a collective's ring step costs milliseconds on gloo, as its
         # all-gather and reduce-scatter run. Not yet measured on a GPU.
         mfu=0.734, layer_overhead_s=0.00297, microbatch_overhead_s=0.0,
-        collective_step_s=0.00238, zero3_with_ep=False, ep_fills_nodes=False,
+        collective_step_s=0.00238, zero3_with_ep=False, ep_fills_nodes=False, kernels_timed="eager",
         help="our engine: eager kernels; memory exact on CPU, time fitted on its CPU runs"),
     "playbook": Framework(
         "playbook", kernels="fused", sp_keeps_gathered_input=False, partition="compute",

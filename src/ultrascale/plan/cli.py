@@ -103,6 +103,9 @@ def _common(p, search: bool) -> None:
                    help="a fused SwiGLU keeps 3 f-wide tensors per token, not 4")
     p.add_argument(*_names("--float8"), dest="float8", action=argparse.BooleanOptionalAction, default=None,
                    help="the blocks' linears in float8 at the GPU's FP8 peak (torchtitan's default)")
+    p.add_argument("--tp-overlap", dest="tp_overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="tensor parallelism's collectives beside the matmuls they feed (Megatron's "
+                        "--tp-comm-overlap, torchtitan's async TP; needs sequence parallelism)")
     p.add_argument("--block", choices=("llama", "gpt"), default=None,
                    help="gpt: LayerNorm, a 4h GELU MLP and biases in place of the preset's block")
     p.add_argument("--partition", choices=("even", "compute"), default=None,
@@ -189,6 +192,9 @@ def _context(args):
     if fw.float8 and "fp8" not in cluster.peak_flops:
         raise ConfigError(f"framework {fw.name} plans float8 linears, which the {cluster.gpu.name} has no FP8 tensor "
                           f"cores for: add --no-float8")
+    if fw.tp_overlap and getattr(args, "sp", None) is False:
+        raise ConfigError("--tp-overlap cuts sequence parallelism's all-gathers and reduce-scatters into pieces beside "
+                          "the matmuls: drop --no-sp, or --tp-overlap")
     return cluster, fw
 
 
@@ -210,7 +216,7 @@ def framework_of(args):
     # A plan to train on this engine is planned with this engine's kernels and memory.
     fw = get_framework(args.framework or ("ultrascale" if getattr(args, "emit_config", None) else DEFAULT_FRAMEWORK))
     switches = {"partition": args.partition or "even"}
-    for name in ("kernels", "attention", "dropout", "fused_swiglu", "float8"):
+    for name in ("kernels", "attention", "dropout", "fused_swiglu", "float8", "tp_overlap"):
         if getattr(args, name) is not None:
             switches[name] = getattr(args, name)
     return replace(fw, **switches)
@@ -410,17 +416,25 @@ def cmd_validate(args) -> int:
 
 def cmd_published(args) -> int:
     from ultrascale.plan.calibration import DEFAULT_FRAMEWORK
-    from ultrascale.plan.published import TOLERANCE, table
+    from ultrascale.plan.published import TOLERANCE, misses, table
 
     rows = table()
+    sets = {name: [r for r in rows if r["set"] == name] for name in ("chosen on", "held out")}
+    errors = {name: misses(some) for name, some in sets.items()}
     if args.json:
-        print(json.dumps({"default_framework": DEFAULT_FRAMEWORK, "tolerance": TOLERANCE, "runs": rows}, indent=1))
+        print(json.dumps({"default_framework": DEFAULT_FRAMEWORK, "tolerance": TOLERANCE, "runs": rows,
+                          "errors": errors}, indent=1))
         return 0
     print(f"published runs: predicted / published (defaults: framework {DEFAULT_FRAMEWORK}, the generic nodes of "
           f"each run's GPU; own: the run's framework and cluster)")
-    print(f"{'run':<52}{'measure':>22}{'published':>12}{'default':>9}{'own':>7}  framework, cluster")
-    for r in rows:
-        pub = f"{r['published']:.3g}" if r["measure"] != "tflops_megatron" else f"{r['published'] / 1e12:.0f}T"
-        print(f"{r['run']:<52}{r['measure']:>22}{pub:>12}{r['default_ratio']:>9.2f}{r['own_ratio']:>7.2f}  "
-              f"{r['framework']}, {r['cluster']}")
+    for name, some in sets.items():
+        print(f"\n{'the constants were chosen on these' if name == 'chosen on' else 'held out: no constant was chosen on these'}")
+        print(f"{'run':<66}{'measure':>22}{'published':>12}{'default':>9}{'own':>7}  framework, cluster")
+        for r in some:
+            pub = f"{r['published']:.3g}" if r["measure"] != "tflops_megatron" else f"{r['published'] / 1e12:.0f}T"
+            print(f"{r['run']:<66}{r['measure']:>22}{pub:>12}{r['default_ratio']:>9.2f}{r['own_ratio']:>7.2f}  "
+                  f"{r['framework']}, {r['cluster']}")
+        e = errors[name]
+        print(f"{name}: {e['rows']} runs, own presets' median miss {100 * e['median']:.1f}%, largest "
+              f"{100 * e['largest']:.1f}%, {e['beyond']} beyond ±{100 * TOLERANCE:.0f}%")
     return 0

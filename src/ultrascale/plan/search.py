@@ -174,7 +174,7 @@ def error_band() -> float:
     that column is the model's error for it; the tests hold every row within published.TOLERANCE."""
     from ultrascale.plan.published import table
 
-    return max(abs(row["own_ratio"] - 1) for row in table())
+    return max(abs(row["own_ratio"] - 1) for row in table() if row["set"] == "chosen on")
 
 
 @functools.cache

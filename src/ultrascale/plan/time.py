@@ -68,6 +68,7 @@ import math
 from dataclasses import dataclass
 
 from ultrascale.plan.bubble import bubble_fraction
+from ultrascale.plan import passes
 from ultrascale.plan.hardware import Link
 from ultrascale.plan.precision import get_precision
 from ultrascale.parallel.pipeline.partition import v_shaped
@@ -208,6 +209,61 @@ def _matmul_s(flops, linear, peak, fw, gpu) -> float:
     return (linear / gpu.peak_flops["fp8"] + (flops - linear) / peak) / fw.mfu
 
 
+def _memory_bound_s(shape, lay, gpu, fw, blocks, tokens, b) -> float:
+    """Seconds of the elementwise passes the framework's time constants do not already hold
+    (plan/passes.py): eager kernels where its constants were set on fused ones (or the saving the other
+    way), and float8's casts. At the HBM's rate: memory-bound, no matmul in them."""
+    n_layers, has_head = blocks[0], blocks[2]
+    moved = 0.0
+    if fw.kernels != fw.kernels_timed:
+        fwd, bwd = passes.eager_bytes(shape, lay, b)
+        again = 2 if lay.recompute == "full" else 1  # full recomputation runs the forward's passes again
+        eager = tokens / lay.cp * (n_layers * (again * fwd + bwd)
+                                   + (passes.eager_head_bytes(shape, lay, b) if has_head else 0.0))
+        moved += eager if fw.kernels == "eager" else -eager
+    if fw.float8:
+        moved += passes.cast_bytes(shape, lay, b, n_layers, tokens)
+    return moved / gpu.hbm_bandwidth
+
+
+def _exposed_tp(shape, lay, gpu, fw, peak, n_layers, n_dense, tokens, one: float, regathers: int) -> float:
+    """What sequence parallelism's collectives add when each is cut into tp pieces that run beside the
+    matmul it feeds or follows (async TP; Megatron's --tp-comm-overlap). Each collective (`one` seconds:
+    an all-gather and a reduce-scatter of a full activation take the same) is paired with its own matmul:
+    forward, the all-gather before q/k/v and the reduce-scatter after o, the all-gather before the MLP's
+    first linears (gate and up) and the reduce-scatter after its last (down); backward their conjugates,
+    beside the input- and weight-gradient matmuls (twice the forward's FLOPs), and a re-gather of a
+    linear's input beside its weight gradient. A pair shows the collective's first piece (nothing to
+    compute before it arrives) and whatever of the other tp - 1 exceeds its matmul: small matmuls (the
+    attention's projections, or FP8 ones) hide less."""
+    h, div = shape.hidden, lay.tp * lay.cp
+
+    def mm(params_per_token):  # seconds of one forward matmul of these parameters over the micro-batch
+        flops = 2 * params_per_token * tokens / div
+        return _matmul_s(flops, flops, peak, fw, gpu)
+
+    def pair(matmul):
+        return one / lay.tp + max(0.0, one * (lay.tp - 1) / lay.tp - matmul)
+
+    def mlp_legs(f):  # (first linears, last linear) parameters of an MLP of width f
+        return (2 if shape.mlp == "swiglu" else 1) * h * f, f * h
+
+    qkv, o = h * (shape.q_dim + shape.k_dim + shape.v_dim), shape.attn_out_dim * h
+    dense_mlp = mlp_legs(shape.ffn_hidden)
+    moe_first = shape.top_k * mlp_legs(shape.expert_ffn)[0] + (mlp_legs(shape.shared_expert_ffn)[0]
+                                                               if shape.shared_expert_ffn else 0)
+    moe_last = shape.top_k * mlp_legs(shape.expert_ffn)[1] + (mlp_legs(shape.shared_expert_ffn)[1]
+                                                             if shape.shared_expert_ffn else 0)
+    total = 0.0
+    for count, (first, last) in ((n_dense, dense_mlp), (n_layers - n_dense, (moe_first, moe_last))):
+        if not count:
+            continue
+        block = sum(pair(k * mm(p)) for p in (qkv, o, first, last) for k in (1, 2))  # forward, backward
+        block += regathers / 2 * (pair(mm(qkv)) + pair(mm(first)))  # beside the weight gradients
+        total += count * block
+    return total
+
+
 def expert_ranks(lay, fw) -> list[int]:
     """The expert-parallel group holding rank 0. Megatron-Core orders ranks tp-cp-ep-dp-pp (pipeline
     outermost), torchtitan's mesh is pp-dp-cp-tp with ep inside dp, and DeepSeek-V3 runs EP64
@@ -284,7 +340,8 @@ def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
     n_layers, n_moe = blocks[0], blocks[0] - blocks[3]
     flops, extra, linear, extra_linear = _stage_flops(shape, lay, blocks, tokens, fw)
     t = {"compute": _matmul_s(flops, linear, peak, fw, gpu), "recompute": _matmul_s(extra, extra_linear, peak, fw, gpu),
-         "kernel_overhead": fw.layer_overhead_s * n_layers + fw.microbatch_overhead_s}
+         "kernel_overhead": (fw.layer_overhead_s * n_layers + fw.microbatch_overhead_s
+                             + _memory_bound_s(shape, lay, gpu, fw, blocks, tokens, b))}
     if fw.attention == "eager" or (lay.cp > 1 and fw.cp_block_attention == "eager"):
         # Attention without a fused kernel writes the s x s scores to memory and reads them back: the
         # softmax forward (scores in, probabilities out, read by the values' matmul) and backward (four
@@ -296,10 +353,14 @@ def _stage_time(shape, lay, gpu, fw, blocks, peak) -> dict:
     tp_link = link_of(gpu, lay, "tp")
     if lay.sp_on:
         # Per block: 2 all-gathers + 2 reduce-scatters forward, their conjugates backward, and 2 more
-        # all-gathers where the framework keeps only the shard of a linear's input (re-gather).
+        # all-gathers where the framework keeps only the shard of a linear's input (re-gather). An
+        # all-gather and a reduce-scatter of the same activation cost the same.
         gathers = 4 if fw.sp_keeps_gathered_input else 6
-        tp = n_layers * (gathers * ring_time("all_gather", act_full, lay.tp, tp_link)
-                         + 4 * ring_time("reduce_scatter", act_full, lay.tp, tp_link))
+        one = ring_time("all_gather", act_full, lay.tp, tp_link)
+        if fw.tp_overlap:  # each collective cut into pieces beside its matmul
+            tp = _exposed_tp(shape, lay, gpu, fw, peak, n_layers, blocks[3], tokens, one, gathers - 4)
+        else:
+            tp = n_layers * (gathers + 4) * one
         tp_steps = n_layers * (gathers + 4) * (lay.tp - 1)
     else:  # 2 all-reduces forward, 2 backward
         tp = n_layers * 4 * ring_time("all_reduce", act_full, lay.tp, tp_link)
