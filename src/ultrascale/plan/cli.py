@@ -269,7 +269,8 @@ def cmd_search(args) -> int:
 
         check_writable_file("--html", args.html)  # before the search, not after it
     check_emit(args, shape, model, gpu)  # --emit-config's path, model and nodes, likewise
-    result = search(shape, args.gpus, gpu, fw, args.seq_len, args.global_batch_tokens, args.precision, fixed)
+    result = search(shape, args.gpus, gpu, fw, args.seq_len, args.global_batch_tokens, args.precision, fixed,
+                    tightly=True)
     sequences = batch_sequences(args.global_batch_tokens, args.seq_len)
     if args.emit_config:
         from ultrascale.plan.emit import best_buildable, write

@@ -27,6 +27,7 @@ GANTT_MICRO_BATCHES = 4
 
 def gantt(lay: dict, breakdown: dict) -> dict:
     """The selected layout's schedule, simulated with its own forward and backward times."""
+    from ultrascale.parallel.pipeline.partition import v_shaped
     from ultrascale.parallel.pipeline.schedules import build, with_communication
     from ultrascale.parallel.pipeline.simulate import simulate
 
@@ -40,7 +41,9 @@ def gantt(lay: dict, breakdown: dict) -> dict:
     split = lay["schedule"] == "zero-bubble"  # backward split into input and weight gradients
     t_b, t_w = (per_mb / 3, per_mb / 3) if split else (2 * per_mb / 3, 0.0)
     t_comm = breakdown["pp_comm"] / m / (2 * v) if p > 1 else 0.0
-    tl = simulate(with_communication(build(lay["schedule"], p, shown, v), p, v), p, v, t_f, t_b, t_w, t_comm)
+    vshape = v_shaped(lay["schedule"])  # DualPipeV's chunks sit in a V: the turn at the bottom is a hand-off
+    tl = simulate(with_communication(build(lay["schedule"], p, shown, v), p, v, vshape), p, v, t_f, t_b, t_w, t_comm,
+                  vshape)
     return {"micro_batches": shown, "of": m, "makespan": tl.makespan,
             "ranks": [[[a.kind, a.micro, round(s, 9), round(e, 9)] for a, s, e in rank] for rank in tl.spans]}
 

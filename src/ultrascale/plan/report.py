@@ -81,8 +81,10 @@ def table(result, top: int) -> list[str]:
         if i == group + 1:
             out.append("  below the band, by predicted throughput (slower: than the fastest):")
         slower = "-" if c.top_group else pct(c.slower)
+        free = capacity - c.memory.peak.total  # below 0: the allocator's slack does not fit ("fits tightly")
+        room = f"{free / GIB:>5.1f} GiB" if free >= 0 else f"{'tight':>9}"
         out.append(f"{i:>5}  {c.layout.label():<62} {c.memory.peak.total / GIB:>6.1f} GiB "
-                   f"{(capacity - c.memory.peak.total) / GIB:>5.1f} GiB {c.time.step_s:>7.2f}s "
+                   f"{room} {c.time.step_s:>7.2f}s "
                    f"{c.time.tokens_per_s_per_gpu:>10,.0f} {100 * c.time.mfu:>5.1f}% {slower:>7}")
     shown = min(top, len(cands))
     hidden = {"in the top group": max(0, group - shown), "below the band": len(cands) - max(shown, group)}
@@ -98,11 +100,21 @@ def _costliest(t) -> str:
     return f"{k.replace('_', ' ')} ({100 * waits[k] / t.step_s:.0f}% of the step)"
 
 
+def _tightly(result) -> str:
+    """How many of the fitting layouts fit only tightly (memory.verdict): their live tensors and context fit,
+    the allocator's planned slack does not."""
+    tight = sum(c.memory.peak.total > result.capacity for c in result.ranked)
+    return f" ({tight} of them tightly: without room for all of the allocator's planned cache)" if tight else ""
+
+
 def _trades(c, gpu) -> str:
     """The three things a layout trades: memory headroom, the pipeline bubble, exposed communication."""
     t = c.time
     comm = sum(v for k, v in t.breakdown.items() if k.endswith("_comm") or k == "sync")
-    return (f"{(gpu.memory_bytes - c.memory.peak.total) / GIB:.1f} GiB of memory headroom, a bubble of "
+    free = gpu.memory_bytes - c.memory.peak.total
+    room = (f"{free / GIB:.1f} GiB of memory headroom" if free >= 0 else
+            f"no memory headroom (it fits tightly: the allocator's planned slack is {-free / GIB:.1f} GiB short)")
+    return (f"{room}, a bubble of "
             f"{100 * t.breakdown.get('bubble', 0.0) / t.step_s:.0f}% and exposed communication of "
             f"{100 * comm / t.step_s:.0f}% of the step")
 
@@ -169,7 +181,7 @@ def explain(shape, result, gpu, gpus, sequences) -> list[str]:
     plain = shape.count() * (lambda p: p.param_bytes + p.grad_bytes + p.optim_bytes)(get_precision(lay.precision))
     out = ["Why this one, in the playbook's three steps:",
            f"1. Fit memory: {len(result.ranked)} of {result.enumerated} configurations fit in "
-           f"{gpu.memory_gib:.1f} GiB. Unsharded, the model states alone would take {plain / GIB:,.1f} GiB per GPU; "
+           f"{gpu.memory_gib:.1f} GiB{_tightly(result)}. Unsharded, the model states alone would take {plain / GIB:,.1f} GiB per GPU; "
            f"this layout holds {states / GIB:.1f} GiB of states and {mem.terms['activations'] / GIB:.1f} GiB of "
            f"activations ({mem.in_flight:g} micro-batch(es) in flight), {mem.total / GIB:.1f} GiB in all.",
            f"2. Reach the batch: {lay.micro_batch} (micro-batch) x {lay.grad_accum} (accumulation) x {lay.dp} (dp) = "

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ultrascale.errors import ConfigError
 from ultrascale.plan.layout import Layout, check_framework, check_layout
-from ultrascale.plan.memory import MemoryPlan, memory_plan
+from ultrascale.plan.memory import MemoryPlan, fits, memory_plan
 from ultrascale.plan.time import StepTime, step_time
 
 SEARCH_SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "dualpipev")  # AFAB: 1F1B's bubble with more memory, never better
@@ -229,7 +229,10 @@ def rank(cands: list, capacity: float, band: float, mem_error: float) -> list:
 
 
 def search(shape, gpus: int, gpu, fw, seq_len: int, global_batch_tokens: int, precision: str = "bf16",
-           fixed: dict | None = None, with_time: bool = True) -> SearchResult:
+           fixed: dict | None = None, with_time: bool = True, tightly: bool = False) -> SearchResult:
+    """tightly: propose too the layouts that fit only tightly (memory.fits: the live tensors and the context
+    fit, the allocator's planned cache beside them does not), as `ultrascale plan` does; without it a layout
+    fits when its planned total does (the course's rule: memory per GPU <= the card)."""
     fixed = fixed or {}
     check_cluster(gpus, gpu)
     sequences = batch_sequences(global_batch_tokens, seq_len)
@@ -238,7 +241,7 @@ def search(shape, gpus: int, gpu, fw, seq_len: int, global_batch_tokens: int, pr
     # then disk), unless pinned.
     for offload in [fixed["offload"]] if fixed.get("offload") else ["none", "cpu", "disk"]:
         _search_tier(result, shape, gpus, gpu, fw, seq_len, sequences, precision, {**fixed, "offload": offload},
-                     with_time)
+                     with_time, tightly)
         if result.ranked:
             break
     if with_time:
@@ -251,7 +254,7 @@ def search(shape, gpus: int, gpu, fw, seq_len: int, global_batch_tokens: int, pr
     return result
 
 
-def _search_tier(result, shape, gpus, gpu, fw, seq_len, sequences, precision, fixed, with_time) -> None:
+def _search_tier(result, shape, gpus, gpu, fw, seq_len, sequences, precision, fixed, with_time, tightly) -> None:
     """Add the layouts with `fixed`'s offload tier to `result`: every one counted, the fitting ones timed."""
     for lay in layouts(shape, gpus, gpu, seq_len, sequences, precision, fixed):
         try:
@@ -264,9 +267,10 @@ def _search_tier(result, shape, gpus, gpu, fw, seq_len, sequences, precision, fi
         cand = Candidate(lay, mem)
         if result.smallest is None or mem.peak.total < result.smallest.memory.peak.total:
             result.smallest = cand
-        # Room for the allocator's slack too (memory.fits would take a layout that fits only tightly):
-        # the search proposes layouts that fit with the planned overhead.
-        if mem.peak.total <= gpu.memory_bytes:
+        # Tightly: a layout whose live tensors and context fit is proposed even where the allocator's planned
+        # slack does not fit beside them (memory.fits): Llama 3 405B trained so. headroom_key ranks such a
+        # layout after every roomier one of its group.
+        if (fits(mem, gpu) if tightly else mem.peak.total <= gpu.memory_bytes):
             if with_time:
                 cand.time = step_time(shape, lay, gpu, fw)
             result.ranked.append(cand)
