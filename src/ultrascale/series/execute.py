@@ -272,6 +272,12 @@ def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | N
         # which is no failure of the notebook; it gets the cells' own limit, and at least nbclient's 60 s.
         client = NotebookClient(work, km=_this_python_manager(), timeout=timeout, shutdown_kernel="immediate",
                                 startup_timeout=max(60.0, timeout),
+                                # After a reply, a cell's outputs are read until the kernel says it is idle,
+                                # for at most iopub_timeout (nbclient's default, 4 s). An interrupted cell's
+                                # idle can come later than that on a busy machine, and its reader, still
+                                # running, then takes the next cell's outputs for its own and drops them:
+                                # wait for the idle as long as for the cell itself.
+                                iopub_timeout=max(60.0, timeout),
                                 # Grading goes on past an answer that never returns: the kernel is
                                 # interrupted at the limit, that exercise graded as such, the next checked.
                                 interrupt_on_timeout=grade,
