@@ -168,3 +168,12 @@ def test_every_held_out_run_has_a_source_and_is_not_a_run_the_constants_were_set
         assert r.source and r.published > 0
         assert (r.model, r.gpu, tuple(sorted(r.layout.items())), tuple(sorted(r.switches.items()))) not in chosen
     assert {r["set"] for r in published.table()} == {"chosen on", "held out"}
+
+
+def test_an_emitted_config_does_not_take_tp_overlap(tmp_path, capsys):
+    from plan_cli import cli
+
+    out = tmp_path / "plan.toml"
+    code, _, err = cli(capsys, "plan", "--model", "tiny", "--gpus", "2", "--tp-overlap", "--emit-config", str(out))
+    assert code == 2 and "--tp-overlap" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

@@ -344,6 +344,9 @@ def check_emit(args, shape, model, cluster, world: int | None = None) -> None:
 
     from ultrascale.preflight import check_writable_file
 
+    if getattr(args, "tp_overlap", None):  # a planner switch for other frameworks, not a setting of a run here
+        raise ConfigError("--tp-overlap plans tensor-parallel collectives beside their matmuls, which this engine "
+                          "does not do: drop --tp-overlap to emit a config it trains")
     model_section(shape, model)  # a model the engine cannot build: said before the search
     engine_dtype(args.precision)
     check_writable_file("--emit-config", args.emit_config)
