@@ -249,13 +249,12 @@ def _exposed_tp(shape, lay, gpu, fw, peak, n_layers, n_dense, tokens, one: float
         return (2 if shape.mlp == "swiglu" else 1) * h * f, f * h
 
     qkv, o = h * (shape.q_dim + shape.k_dim + shape.v_dim), shape.attn_out_dim * h
-    dense_mlp = mlp_legs(shape.ffn_hidden)
-    moe_first = shape.top_k * mlp_legs(shape.expert_ffn)[0] + (mlp_legs(shape.shared_expert_ffn)[0]
-                                                               if shape.shared_expert_ffn else 0)
-    moe_last = shape.top_k * mlp_legs(shape.expert_ffn)[1] + (mlp_legs(shape.shared_expert_ffn)[1]
-                                                             if shape.shared_expert_ffn else 0)
+    # An MoE block's MLP: its top_k experts' legs and the shared expert's, added leg by leg.
+    moe_mlps = [mlp_legs(shape.expert_ffn)] * shape.top_k + ([mlp_legs(shape.shared_expert_ffn)]
+                                                             if shape.shared_expert_ffn else [])
+    moe_mlp = tuple(map(sum, zip(*moe_mlps)))
     total = 0.0
-    for count, (first, last) in ((n_dense, dense_mlp), (n_layers - n_dense, (moe_first, moe_last))):
+    for count, (first, last) in ((n_dense, mlp_legs(shape.ffn_hidden)), (n_layers - n_dense, moe_mlp)):
         if not count:
             continue
         block = sum(pair(k * mm(p)) for p in (qkv, o, first, last) for k in (1, 2))  # forward, backward
