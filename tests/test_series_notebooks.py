@@ -324,6 +324,17 @@ def test_an_endless_cell_times_out_and_grading_goes_on_past_it(runner):
     assert (g.status, g.message.split(":")[0]) == ("error", "the check ran longer than 3 s (--timeout)"), g
 
 
+
+def test_a_kernel_runs_an_empty_cell_first_and_the_notebook_does_not_see_it():
+    # The cell that lets a fresh kernel finish its start (execute._Kernel) must leave no trace: the first cell
+    # is still In [1], no cell is added or replaced (nbclient writes a cell back at the index it is given: an
+    # empty cell given index 0 once replaced the notebook's first cell and its `x = 1` never ran).
+    cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("print('after', x)")]
+    report = run_notebook(nbformat.v4.new_notebook(cells=cells), timeout=30, exercises=False)
+    assert report.failure is None and report.outputs[1] == "after 1\n", (report.failure, report.outputs)
+    assert [c.source for c in report.notebook.cells] == ["x = 1", "print('after', x)"]
+    assert [c.execution_count for c in report.notebook.cells] == [1, 2]
+
 def test_a_notebook_in_this_process_starts_empty_and_leaves_the_process_as_it_was(tmp_path):
     # Two notebooks in one shell are two kernels: nothing of the first is seen by the second, and what a
     # notebook changes of the process (its directory, torch's generator and threads, the environment) is

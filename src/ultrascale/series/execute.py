@@ -237,8 +237,26 @@ def _play(work, report: RunReport, runner: CellRunner, timeout: float, gpu: bool
 class _Kernel:
     """Cells executed by nbclient in a kernel of this Python."""
 
-    def __init__(self, client):
+    def __init__(self, client, ready_within: float):
         self.client = client
+        # A kernel's first execution still finishes its start (the shell's first-run setup, the output
+        # channels' first messages): on a busy machine that took over 3 s before a cell's own `x = 1` could
+        # run. One empty cell, under the start's limit, so a cell's limit counts its own time only.
+        import nbformat
+
+        from nbclient.exceptions import CellTimeoutError
+
+        # nbclient writes a cell back at its index: the empty one goes after the last and is taken away.
+        cells = client.nb.cells
+        cells.append(nbformat.v4.new_code_cell("pass"))
+        limit, client.timeout = client.timeout, ready_within
+        try:
+            client.execute_cell(cells[-1], len(cells) - 1, store_history=False)
+        except CellTimeoutError:
+            raise RuntimeError(f"the kernel did not run an empty cell within {ready_within:g} s") from None
+        finally:
+            client.timeout = limit
+            cells.pop()
 
     def execute(self, cell, index):
         from nbclient.exceptions import CellExecutionError, CellTimeoutError
@@ -289,7 +307,8 @@ def run_notebook(nb, timeout: float = 120, cwd: str | None = None, gpu: bool | N
         raise ConfigError(f"cannot start a Python kernel ({e}); pip install 'ultrascale[series]'") from e
     try:
         with client.setup_kernel(cleanup_kc=True, stderr=stderr, env=_kernel_env(settings.name)):
-            _play(work, report, _Kernel(client), timeout, gpu, exercises, keep_going, grade)
+            _play(work, report, _Kernel(client, ready_within=max(60.0, timeout)), timeout, gpu, exercises,
+                  keep_going, grade)
     except DeadKernelError as e:
         stderr.seek(0)
         tail = stderr.read().decode(errors="replace").strip().splitlines()[-1:] or [str(e)]
